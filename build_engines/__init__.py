@@ -1,0 +1,1 @@
+"""Checkpoint loading and engine compilation."""

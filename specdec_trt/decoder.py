@@ -1,0 +1,271 @@
+"""SpeculativeDecoder: prefill, then draft -> verify -> accept rounds, with streaming and stop rules.
+
+Cache invariant between rounds, per row: the target cache holds the committed sequence except its last
+token; the draft cache holds at least all but the last two (see ``ModelDrafter``). A round feeds the
+target ``[last committed token, d_1 .. d_k]`` in one verify pass, keeps the accepted prefix plus one
+target token, and rolls both caches back by moving their length pointers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from runtime.engine import ContextOverflowError, Engine
+from specdec_trt.drafting import Draft, Drafter
+from specdec_trt.loading import load_engines
+from specdec_trt.rejection import rejection_sample
+from specdec_trt.sampling import BatchSampler, SamplingParams
+from specdec_trt.stats import GenerationStats
+from specdec_trt.text import TextTracker
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class GenerationOutput:
+    """One request's result. ``finish_reason`` is "stop" (EOS or a stop string) or "length"."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class _Request:
+    """One row of a batch: its committed sequence, its text and when it stops."""
+
+    def __init__(
+        self, prompt_ids: list[int], params: SamplingParams, tracker: TextTracker, eos: frozenset[int]
+    ) -> None:
+        self.sequence = list(prompt_ids)
+        self.params = params
+        self.tracker = tracker
+        self.eos = frozenset() if params.ignore_eos else eos
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.params.max_new_tokens - len(self.generated)
+
+    def extend(self, tokens: Iterable[int]) -> None:
+        """Commit tokens in order until one ends the request (EOS, a stop string, max_new_tokens)."""
+        for token in tokens:
+            if self.finished:
+                return
+            self.generated.append(token)
+            self.sequence.append(token)
+            if token in self.eos or self.tracker.add(token):
+                self.finish_reason = "stop"
+            elif self.remaining == 0:
+                self.finish_reason = "length"
+
+    def output(self) -> GenerationOutput:
+        self.stats.generated_tokens = len(self.generated)
+        return GenerationOutput(self.tracker.text, list(self.generated), self.finish_reason or "length", self.stats)
+
+
+class GenerationStream:
+    """Iterates over text pieces as tokens are accepted; ``output`` holds the full result afterwards."""
+
+    def __init__(self, rounds: Iterator[list[_Request]]) -> None:
+        self._rounds = rounds
+        self.output: GenerationOutput | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        shown = 0
+        for (request,) in self._rounds:
+            text = request.tracker.stable_text(request.finished)
+            if len(text) > shown:
+                yield text[shown:]
+                shown = len(text)
+        self.output = request.output()
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding over a target engine and a drafter.
+
+    ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline.
+    """
+
+    def __init__(
+        self,
+        target: Engine,
+        drafter: Drafter | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        eos_token_ids: Iterable[int] = (),
+        num_draft_tokens: int = 5,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.tokenizer = tokenizer
+        eos = set(eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+        limits = [target.max_context, drafter.max_context if drafter is not None else None]
+        self.max_context = min(limit for limit in limits if limit is not None)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path | None = None,
+        draft: str | Path | None = "ngram",
+        *,
+        num_draft_tokens: int = 5,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_context: int | None = None,
+    ) -> SpeculativeDecoder:
+        """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
+        embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None."""
+        checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context)
+        return cls(engine, drafter, checkpoint.tokenizer, checkpoint.config.eos_token_ids, num_draft_tokens)
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+        if not ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return ids
+
+    def apply_chat_template(self, message: str) -> str:
+        """Wrap a user message in the tokenizer's chat template, ready for the assistant's answer."""
+        if self.tokenizer is None or not self.tokenizer.chat_template:
+            raise ValueError("this model's tokenizer has no chat template")
+        return self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
+        )
+
+    def generate(
+        self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: int | None = None
+    ) -> GenerationOutput:
+        """Generate one completion."""
+        return self.generate_batch([prompt], params, num_draft_tokens)[0]
+
+    def generate_batch(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        num_draft_tokens: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Generate completions for a batch; each request keeps its own parameters and seed."""
+        requests, sampler, gamma = self._prepare(prompts, params, num_draft_tokens)
+        for _ in self._rounds(requests, sampler, gamma):
+            pass
+        return [request.output() for request in requests]
+
+    def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: int | None = None
+    ) -> GenerationStream:
+        """Generate one completion, yielding text as it is accepted (iterate the returned stream)."""
+        requests, sampler, gamma = self._prepare([prompt], params, num_draft_tokens)
+        return GenerationStream(self._rounds(requests, sampler, gamma))
+
+    def close(self) -> None:
+        """Release the engines' caches."""
+        self.target.close()
+        engine = getattr(self.drafter, "engine", None)
+        if engine is not None:
+            engine.close()
+
+    def _prepare(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        num_draft_tokens: int | None,
+    ) -> tuple[list[_Request], BatchSampler, int]:
+        """Validate everything before any work: the draft length, the parameters, prompts and context."""
+        if isinstance(prompts, str) or not prompts:
+            raise ValueError("prompts must be a non-empty list of prompts")
+        gamma = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if not isinstance(gamma, int) or gamma < 0:
+            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {gamma!r}")
+        if gamma and self.drafter is None:
+            raise ValueError(f"num_draft_tokens={gamma} needs a drafter; this decoder has none (use 0)")
+        params = params or SamplingParams()
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} sampling parameters for {len(prompts)} prompts")
+        requests = []
+        for prompt, p in zip(prompts, param_list):
+            ids = self.tokenize(prompt)
+            needed = len(ids) + p.max_new_tokens + gamma
+            if needed > self.max_context:
+                raise ContextOverflowError(
+                    f"the prompt's {len(ids)} tokens + max_new_tokens {p.max_new_tokens} + num_draft_tokens "
+                    f"{gamma} need {needed} positions, more than the max context {self.max_context}: shorten "
+                    "the prompt or lower max_new_tokens"
+                )
+            requests.append(_Request(ids, p, TextTracker(self.tokenizer, p.stop), self.eos_token_ids))
+        return requests, BatchSampler(param_list, self.target.device), gamma
+
+    def _rounds(self, requests: list[_Request], sampler: BatchSampler, gamma: int) -> Iterator[list[_Request]]:
+        """Run a batch to completion, yielding after the first token and after every round."""
+        start = time.perf_counter()
+        prompts, lengths = _right_pad([r.sequence for r in requests])
+        logits = self.target.prefill(prompts, lengths)
+        first = sampler.sample(sampler.probs(logits.unsqueeze(1)).squeeze(1)).tolist()
+        prefill_s = time.perf_counter() - start
+        for request, token in zip(requests, first):
+            request.stats.prefill_s = prefill_s
+            request.extend([token])
+        if gamma:
+            self.drafter.begin(prompts, lengths)
+        draft_s = time.perf_counter() - start - prefill_s
+        yield requests
+        verify_s = 0.0
+        while not all(r.finished for r in requests):
+            # Finished rows stay in the batch, frozen: they re-run the same positions and are ignored.
+            num_drafts = min(gamma, max(r.remaining for r in requests if not r.finished) - 1)
+            sequences = [r.sequence for r in requests]
+            tick = time.perf_counter()
+            draft = self._draft(sequences, num_drafts, sampler)
+            tock = time.perf_counter()
+            self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
+            last = torch.tensor([s[-1:] for s in sequences], device=self.target.device)
+            target_probs = sampler.probs(self.target.forward(torch.cat([last, draft.token_ids.to(last.device)], 1)))
+            output, num_accepted = rejection_sample(draft.token_ids, draft.probs, target_probs, sampler.generators)
+            output, num_accepted = output.tolist(), num_accepted.tolist()  # the round's one host sync
+            draft_s += tock - tick
+            verify_s += time.perf_counter() - tock
+            for request, row, accepted in zip(requests, output, num_accepted):
+                if not request.finished:
+                    request.stats.record_round(draft.num_tokens, accepted)
+                    request.extend(row[: accepted + 1])
+            yield requests
+        total_s = time.perf_counter() - start
+        for request in requests:
+            request.stats.draft_s, request.stats.verify_s, request.stats.total_s = draft_s, verify_s, total_s
+
+    def _draft(self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler) -> Draft:
+        if num_drafts <= 0:
+            return Draft(torch.zeros(len(sequences), 0, dtype=torch.int64, device=self.target.device), None)
+        return self.drafter.propose(sequences, num_drafts, sampler)
+
+
+def _right_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = torch.tensor([len(s) for s in sequences])
+    width = int(lengths.max())
+    padded = torch.tensor([s + [s[-1]] * (width - len(s)) for s in sequences])
+    return padded, lengths

@@ -1,0 +1,79 @@
+"""Batched lossless rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+Draft token x at position i is accepted with probability min(1, p(x) / q(x)). The first rejected position
+is replaced by a sample from norm(max(0, p - q)); when every draft is accepted the target's distribution
+after the last draft gives a bonus token. The output is distributed exactly as the target's.
+Everything is tensor code over the whole batch: no Python loop over rows, positions or the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec_trt.sampling import sample_from, uniform
+
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
+
+
+def rejection_sample(
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+    generator: Generators = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accept a prefix of each row's drafts and sample the token that follows it.
+
+    draft_token_ids [B, g] int64; draft_probs [B, g, V] (the distributions the drafts were sampled from)
+    or None for deterministic drafts (q is one-hot on the drafted token); target_probs [B, g+1, V],
+    already warped by the request's sampling parameters. ``generator`` is one generator for the batch or
+    one per row. Returns output_ids [B, g+1] (accepted drafts, then the replacement or bonus token, then
+    -1 padding) and num_accepted [B].
+    """
+    batch, gamma = draft_token_ids.shape
+    u = _uniform(generator, batch, gamma + 1, target_probs.device)
+    p = target_probs[:, :gamma].gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
+    q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
+    # u < p/q without dividing: q == 0 (impossible when drafts are sampled from q) cannot produce NaN.
+    accepted = u[:, :gamma] * q < p
+    num_accepted = accepted.cumprod(-1).sum(-1)
+    final = sample_from(recovery_distribution(num_accepted, draft_token_ids, draft_probs, target_probs), u[:, gamma])
+    positions = torch.arange(gamma + 1, device=target_probs.device)
+    drafts = torch.cat([draft_token_ids, draft_token_ids.new_full((batch, 1), -1)], dim=1)
+    output = torch.where(positions < num_accepted.unsqueeze(1), drafts, -1)
+    output.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
+    return output, num_accepted
+
+
+def recovery_distribution(
+    num_accepted: torch.Tensor,
+    draft_token_ids: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    target_probs: torch.Tensor,
+) -> torch.Tensor:
+    """Unnormalised distribution [B, V] of the token after the accepted prefix: max(0, p - q) at the first
+    rejected position, or the target's own distribution after a fully accepted block (the bonus)."""
+    batch, gamma = draft_token_ids.shape
+    rows = torch.arange(batch, device=target_probs.device)
+    p = target_probs[rows, num_accepted]
+    if gamma == 0:
+        return p
+    at = num_accepted.clamp(max=gamma - 1)
+    if draft_probs is None:
+        q = torch.zeros_like(p).scatter_(-1, draft_token_ids[rows, at].unsqueeze(-1), 1.0)
+    else:
+        q = draft_probs[rows, at]
+    q = q * (num_accepted < gamma).unsqueeze(-1)
+    residual = (p - q).clamp_(min=0)
+    # p == q leaves no residual mass; rejection then only happens through rounding, and p is the limit.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    return torch.where(empty, p, residual)
+
+
+def _uniform(generator: Generators, batch: int, num: int, device: torch.device) -> torch.Tensor:
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(batch, num, device=device, generator=generator)
+    if len(generator) != batch:
+        raise ValueError(f"got {len(generator)} generators for a batch of {batch}")
+    return uniform(generator, num, device)

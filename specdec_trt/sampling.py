@@ -1,0 +1,147 @@
+"""Sampling parameters and batched logits warping.
+
+``BatchSampler`` holds per-row parameters as tensors, so one call warps a whole batch with no Python loop
+over rows or the vocabulary. The warping order is Hugging Face's: temperature, top-k, top-p, min-p.
+Greedy rows (temperature 0) become one-hot distributions on the argmax, which lets the rejection sampler
+treat them as ordinary rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. ``temperature=0`` is greedy decoding (the default); ``top_k=0`` and
+    ``top_p=1`` and ``min_p=0`` switch those filters off. ``stop`` strings end generation and are not
+    included in the text; ``seed`` makes sampling reproducible."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        problems = []
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            problems.append(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            problems.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not 0 <= self.min_p < 1:
+            problems.append(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            problems.append(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        if problems:
+            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def uniform(generators: Sequence[torch.Generator | None], num: int, device: torch.device) -> torch.Tensor:
+    """Uniform [0, 1) numbers, ``num`` per row [B, num]. A row with its own generator draws from it
+    (reproducible per request, whatever else is in the batch); the others share one batched draw."""
+    out = torch.rand(len(generators), num, device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            out[row] = torch.rand(num, device=device, generator=generator)
+    return out
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: the token whose cumulative-probability interval holds ``u`` times the row's
+    total mass (so rows need not be normalised). probs [..., V], u [...] -> ids [...]."""
+    cdf = probs.cumsum(-1)
+    target = (u * cdf[..., -1]).unsqueeze(-1)
+    ids = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+class BatchSampler:
+    """Per-row sampling parameters and generators for one batch of requests."""
+
+    def __init__(self, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+        self.params = list(params)
+
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([getattr(p, name) for p in self.params], dtype=dtype, device=self.device)
+
+        self.temperature = column("temperature", torch.float32)
+        self.top_k = column("top_k", torch.int64)
+        self.top_p = column("top_p", torch.float32)
+        self.min_p = column("min_p", torch.float32)
+        self.greedy = self.temperature == 0
+        self.all_greedy = all(p.greedy for p in self.params)
+        self._needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in self.params if not p.greedy)
+        self._needs_min_p = any(p.min_p > 0 for p in self.params if not p.greedy)
+        self.generators = [
+            None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed) for p in self.params
+        ]
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Warped distributions [B, T, V] from float32 logits [B, T, V]."""
+        if self.all_greedy:
+            return _one_hot_argmax(logits)
+        per_row = (slice(None), None, None)
+        # Shifting by the row maximum first keeps huge logits finite when divided by a small temperature.
+        shifted = logits - logits.amax(-1, keepdim=True)
+        scores = shifted / torch.where(self.greedy, 1.0, self.temperature)[per_row]
+        if self._needs_sort:
+            scores = _top_k_top_p(scores, self.top_k[per_row], self.top_p[per_row])
+        probs = scores.softmax(-1)
+        if self._needs_min_p:
+            floor = self.min_p[per_row] * probs.amax(-1, keepdim=True)
+            probs = torch.where(probs < floor, 0.0, probs)
+            probs = probs / probs.sum(-1, keepdim=True)
+        return torch.where(self.greedy[per_row], _one_hot_argmax(logits), probs)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        """One token per row from distributions [B, V], drawn with each row's generator."""
+        if self.all_greedy:
+            return probs.argmax(-1)
+        return sample_from(probs, uniform(self.generators, 1, self.device)[:, 0])
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def _top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask scores outside each row's top-k and then its top-p nucleus with -inf, as transformers'
+    ``TopKLogitsWarper`` and ``TopPLogitsWarper`` do (ties at the k-th score are kept)."""
+    vocab = scores.shape[-1]
+    ascending, order = scores.sort(-1)
+    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    kth_largest = ascending.gather(-1, (vocab - k).expand(*scores.shape[:-1], 1))
+    ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
+    cumulative = ascending.softmax(-1).cumsum(-1)
+    drop = cumulative <= 1 - top_p
+    drop[..., -1] = False  # always keep the most likely token
+    ascending = ascending.masked_fill(drop, float("-inf"))
+    return ascending.scatter(-1, order, ascending)

@@ -1,0 +1,92 @@
+"""Per-request generation statistics and the speculative-decoding cost model."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GenerationStats:
+    """Counters and timings for one request.
+
+    A *round* is one verify pass of the target. ``accepted_per_position[i]`` counts rounds whose draft at
+    position i was accepted, ``drafted_per_position[i]`` rounds that drafted a token at position i.
+    Times are wall-clock seconds of the whole batch the request ran in.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    def record_round(self, num_drafted: int, num_accepted: int) -> None:
+        """Count one verify pass that checked ``num_drafted`` drafts and accepted ``num_accepted``."""
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < num_accepted
+        self.rounds += 1
+        self.drafted_tokens += num_drafted
+        self.accepted_tokens += num_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts / drafted tokens (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_accepted_tokens(self) -> float:
+        """tau: tokens gained per verify pass, the accepted drafts plus the target's own token."""
+        return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        """Fraction of rounds that drafted position i in which that draft was accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time, prefill included."""
+        return self.generated_tokens / self.total_s if self.total_s else 0.0
+
+    @property
+    def draft_ms_per_round(self) -> float:
+        return 1e3 * self.draft_s / self.rounds if self.rounds else 0.0
+
+    @property
+    def verify_ms_per_round(self) -> float:
+        return 1e3 * self.verify_s / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Raw counters plus the derived figures, for JSON output."""
+        derived = (
+            "acceptance_rate",
+            "mean_accepted_tokens",
+            "per_position_acceptance",
+            "tokens_per_s",
+            "draft_ms_per_round",
+            "verify_ms_per_round",
+        )
+        return asdict(self) | {name: getattr(self, name) for name in derived}
+
+
+def expected_tokens_per_round(alpha: float, gamma: int) -> float:
+    """tau for i.i.d. acceptance alpha and gamma drafts: (1 - alpha^(gamma+1)) / (1 - alpha)."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def ideal_speedup(tau: float, gamma: int, cost_ratio: float) -> float:
+    """Speedup over plain decoding when a round costs gamma draft steps of relative cost c plus one target
+    step and yields tau tokens: tau / (gamma c + 1) (Leviathan et al. 2023)."""
+    return tau / (gamma * cost_ratio + 1)

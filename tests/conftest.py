@@ -1,0 +1,128 @@
+"""Shared fixtures: tiny random Llama-family checkpoints and a character-level tokenizer, made here.
+
+Nothing is downloaded: every model is built from a ``transformers`` config with random weights and
+saved as a real checkpoint directory (config.json + safetensors, optionally a tokenizer).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
+CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?\n")
+TEXT_VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARS)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant: {% endif %}"
+)
+_CONFIGS = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+
+
+def char_tokenizer(chars: list[str] = CHARS) -> PreTrainedTokenizerFast:
+    """A real ``tokenizers`` tokenizer with one token per character, a BOS/EOS pair and a chat template."""
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(
+    family: str = "llama",
+    vocab_size: int = TEXT_VOCAB_SIZE,
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden_size: int = 32,
+    logit_scale: float = 3.0,
+    like: torch.nn.Module | None = None,
+    noise: float = 0.0,
+) -> torch.nn.Module:
+    """A random model of ``family`` whose every parameter (biases and norm weights too) is non-trivial.
+
+    ``logit_scale`` sets the spread of the output logits, so distributions are peaked rather than
+    uniform. With ``like``, the weights are ``like``'s plus relative Gaussian ``noise``: a draft that
+    agrees with that target often."""
+    extra = {"head_dim": 12} if family == "qwen3" else {}
+    config = _CONFIGS[family](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        **extra,
+    )
+    generator = torch.Generator().manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            fresh = torch.randn(param.shape, generator=generator)
+            if like is not None:
+                base = like.get_parameter(name)
+                param.copy_(base + noise * base.abs().mean() * fresh)
+            elif name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * fresh)
+            elif name.endswith("bias"):
+                param.copy_(0.2 * fresh)
+            elif name == "lm_head.weight":
+                param.copy_(logit_scale * fresh / math.sqrt(hidden_size))
+            else:
+                param.copy_(fresh / math.sqrt(param.shape[-1]))
+    return model
+
+
+def save_checkpoint(model: torch.nn.Module, directory: Path, with_tokenizer: bool = True) -> Path:
+    """Save ``model`` (and the character tokenizer) as a Hugging Face checkpoint directory."""
+    model.save_pretrained(directory)
+    if with_tokenizer:
+        char_tokenizer().save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``make_checkpoint(family=..., seed=..., draft_of=(target_kwargs, noise))`` -> directory.
+
+    Checkpoints are cached per argument set for the whole session."""
+    cache: dict[tuple, Path] = {}
+
+    def make(with_tokenizer: bool = True, draft_of: tuple[dict, float] | None = None, **kwargs) -> Path:
+        key = (with_tokenizer, repr(draft_of), tuple(sorted(kwargs.items())))
+        if key not in cache:
+            like = None
+            if draft_of is not None:
+                target_kwargs, noise = draft_of
+                like = build_model(**target_kwargs)
+                kwargs = {**target_kwargs, **kwargs, "noise": noise}
+            model = build_model(like=like, **kwargs)
+            cache[key] = save_checkpoint(model, tmp_path_factory.mktemp("ckpt"), with_tokenizer)
+        return cache[key]
+
+    return make

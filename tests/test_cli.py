@@ -1,0 +1,107 @@
+"""The ``specdec-run`` command: streaming, JSON output, chat template, clear errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+from conftest import TEXT_VOCAB_SIZE
+
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.cli import run
+
+
+@pytest.fixture(scope="module")
+def target(make_checkpoint):
+    return make_checkpoint(family="qwen3")
+
+
+def invoke(*args: str, input: str | None = None):
+    return CliRunner().invoke(run, list(args), input=input)
+
+
+def test_streams_the_same_text_as_the_api(target) -> None:
+    result = invoke("--target", str(target), "-n", "16", "-t", "0.8", "--seed", "3", "hello world")
+    assert result.exit_code == 0, result.output
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, seed=3)
+    expected = SpeculativeDecoder.from_pretrained(target, "ngram").generate("hello world", params)
+    assert result.stdout == expected.text + "\n"
+    assert "acceptance rate" in result.stderr and "tokens/s" in result.stderr
+
+
+def test_json_output(target, make_checkpoint) -> None:
+    draft = make_checkpoint(draft_of=({"family": "qwen3"}, 0.1), seed=4)
+    result = invoke("--target", str(target), "--draft", str(draft), "-k", "3", "-n", "12", "--json", "abc")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["num_draft_tokens"] == 3 and data["finish_reason"] in ("stop", "length")
+    assert 1 <= len(data["token_ids"]) <= 12
+    assert data["stats"]["generated_tokens"] == len(data["token_ids"])
+    assert 0 <= data["stats"]["acceptance_rate"] <= 1 and data["stats"]["drafted_tokens"] > 0
+
+
+def test_plain_decoding_and_prompt_from_stdin(target) -> None:
+    result = invoke("--target", str(target), "--draft", "none", "-n", "5", "--json", "-", input="hello")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["num_draft_tokens"] == 0 and data["stats"]["drafted_tokens"] == 0
+    assert data["stats"]["prompt_tokens"] == len("hello")
+
+
+def test_chat_template(target) -> None:
+    result = invoke("--target", str(target), "--chat", "-n", "2", "--json", "hi")
+    assert result.exit_code == 0, result.output
+    assert (
+        json.loads(result.stdout)["stats"]["prompt_tokens"] == len("<s>user: hi\n<s>assistant: ") - 2 * len("<s>") + 2
+    )
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--top-p", "0", "x"], 2, "--top-p"),
+        (["--temperature", "-1", "x"], 2, "--temperature"),
+        (["--max-new-tokens", "0", "x"], 2, "--max-new-tokens"),
+        (["--draft", "no/such/dir", "x"], 1, "does not exist"),
+        (["--max-context", "16", "-n", "20", "x"], 1, "max context"),
+        (["-n", "4", ""], 1, "prompt is empty"),
+    ],
+)
+def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message: str) -> None:
+    result = invoke("--target", str(target), *args)
+    assert result.exit_code == code
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_mismatched_draft_vocabulary(target, make_checkpoint) -> None:
+    wider = make_checkpoint(family="qwen3", vocab_size=TEXT_VOCAB_SIZE + 3)
+    result = invoke("--target", str(target), "--draft", str(wider), "x")
+    assert result.exit_code == 1
+    assert "Error:" in result.output and "token ids" in result.output
+
+
+def test_missing_target_path() -> None:
+    result = invoke("--target", "no/such/model", "x")
+    assert result.exit_code == 2 and "does not exist" in result.output
+
+
+@pytest.mark.slow
+def test_default_model_answers(tmp_path) -> None:
+    """The real path: the console script on the embedded SmolLM2-135M-Instruct, no --target."""
+    executable = shutil.which("specdec-run")
+    assert executable, "specdec-run is not installed on PATH"
+    completed = subprocess.run(
+        [executable, "--chat", "-n", "24", "--json", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    data = json.loads(completed.stdout)
+    assert "Paris" in data["text"]
+    assert data["stats"]["generated_tokens"] == len(data["token_ids"]) > 0

@@ -1,0 +1,106 @@
+"""Trap 1 (KV bookkeeping) and trap 3 (EOS / stop strings inside an accepted block): greedy speculative
+output equals target-only greedy output on the same engine, token for token, for every draft length."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import FAMILIES
+
+from build_engines.checkpoint import load_checkpoint
+from runtime.torch_engine import TorchEngine
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.drafting import ModelDrafter
+
+PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
+MAX_DRAFT = 8
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+DRAFTS = {
+    "agrees_often": 0.05,  # relative weight noise on a copy of the target
+    "agrees_rarely": None,  # an independently initialised model
+    "ngram": "ngram",
+}
+
+
+def _draft_path(make_checkpoint, family: str, kind: str):
+    target_kwargs = {"family": family}
+    if kind == "agrees_often":
+        return make_checkpoint(draft_of=(target_kwargs, DRAFTS[kind]), seed=100)
+    if kind == "agrees_rarely":
+        return make_checkpoint(family=family, seed=7)
+    return "ngram"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_speculative_greedy_equals_target_only(family: str, kind: str, make_checkpoint) -> None:
+    target = make_checkpoint(family=family)
+    decoder = SpeculativeDecoder.from_pretrained(target, _draft_path(make_checkpoint, family, kind), max_context=96)
+    baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
+    assert all(out.stats.drafted_tokens == 0 and len(out.token_ids) == 40 for out in baseline)
+    acceptance = []
+    for gamma in range(1, MAX_DRAFT + 1):
+        batched = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=gamma)
+        for prompt, out, base in zip(PROMPTS, batched, baseline):
+            assert out.token_ids == base.token_ids, f"gamma={gamma} prompt={prompt!r} (batched)"
+            assert out.text == base.text
+        single = decoder.generate(PROMPTS[3], GREEDY, num_draft_tokens=gamma)
+        assert single.token_ids == baseline[3].token_ids, f"gamma={gamma} (alone)"
+        acceptance.append(sum(o.stats.acceptance_rate for o in batched) / len(batched))
+    if kind == "agrees_often":
+        assert acceptance[0] > 0.6, acceptance
+    if kind == "agrees_rarely":
+        assert acceptance[0] < 0.3, acceptance
+
+
+@pytest.fixture(scope="module")
+def self_drafted(make_checkpoint) -> SpeculativeDecoder:
+    """The target drafting for itself: every draft is accepted, so every round is a full block and any
+    EOS or stop string falls inside an accepted block."""
+    target = load_checkpoint(make_checkpoint(family="llama"))
+    draft = TorchEngine.from_checkpoint(target, max_context=96)
+    return SpeculativeDecoder(
+        TorchEngine.from_checkpoint(target, max_context=96), ModelDrafter(draft), target.tokenizer
+    )
+
+
+@pytest.mark.parametrize("gamma", range(1, MAX_DRAFT + 1))
+def test_eos_inside_an_accepted_block(gamma: int, self_drafted: SpeculativeDecoder) -> None:
+    base = self_drafted.generate(PROMPTS[1], GREEDY, num_draft_tokens=0)
+    # Pick as EOS a token first generated mid-way, not at a block boundary for this gamma.
+    position = next(i for i in range(5, 40) if base.token_ids[i] not in base.token_ids[:i] and i % (gamma + 1))
+    eos = base.token_ids[position]
+    # No tokenizer: the chosen token is the only EOS (the tokenizer's own would stop earlier).
+    decoder = SpeculativeDecoder(self_drafted.target, self_drafted.drafter, eos_token_ids=[eos])
+    prompt = self_drafted.tokenize(PROMPTS[1])
+    plain = decoder.generate(prompt, SamplingParams(max_new_tokens=40), num_draft_tokens=0)
+    spec = decoder.generate(prompt, SamplingParams(max_new_tokens=40), num_draft_tokens=gamma)
+    assert spec.token_ids == plain.token_ids == base.token_ids[: position + 1]
+    assert spec.finish_reason == plain.finish_reason == "stop"
+    assert spec.stats.acceptance_rate == 1.0, "the self-draft must accept everything, or EOS was not inside a block"
+
+
+@pytest.mark.parametrize("gamma", range(1, MAX_DRAFT + 1))
+def test_stop_string_inside_an_accepted_block(gamma: int, self_drafted: SpeculativeDecoder) -> None:
+    base = self_drafted.generate(PROMPTS[0], GREEDY, num_draft_tokens=0)
+    stop = base.text[12:14]
+    cut = base.text.index(stop)
+    params = SamplingParams(max_new_tokens=40, stop=[stop], ignore_eos=True)
+    plain = self_drafted.generate(PROMPTS[0], params, num_draft_tokens=0)
+    spec = self_drafted.generate(PROMPTS[0], params, num_draft_tokens=gamma)
+    assert spec.text == plain.text == base.text[:cut]
+    assert spec.token_ids == plain.token_ids == base.token_ids[: len(plain.token_ids)]
+    assert spec.finish_reason == "stop"
+    streamed = self_drafted.stream(PROMPTS[0], params, num_draft_tokens=gamma)
+    pieces = list(streamed)
+    assert "".join(pieces) == base.text[:cut]
+    assert streamed.output.token_ids == spec.token_ids
+
+
+@pytest.mark.parametrize("gamma", [1, 4, 8])
+def test_max_new_tokens_inside_an_accepted_block(gamma: int, self_drafted: SpeculativeDecoder) -> None:
+    base = self_drafted.generate(PROMPTS[2], GREEDY, num_draft_tokens=0)
+    for limit in (1, 2, 7, 11):
+        params = SamplingParams(max_new_tokens=limit, ignore_eos=True)
+        out = self_drafted.generate(PROMPTS[2], params, num_draft_tokens=gamma)
+        assert out.token_ids == base.token_ids[:limit]
+        assert out.finish_reason == "length"

