@@ -97,6 +97,7 @@ class SpeculativeDecoder:
     """Lossless speculative decoding over a target engine and a drafter.
 
     ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline.
+    A decoder runs one generation (or batch) at a time: its engines hold that batch's KV caches.
     """
 
     def __init__(
@@ -203,7 +204,7 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {gamma!r}")
         if gamma and self.drafter is None:
             raise ValueError(f"num_draft_tokens={gamma} needs a drafter; this decoder has none (use 0)")
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):
             raise ValueError(f"got {len(param_list)} sampling parameters for {len(prompts)} prompts")

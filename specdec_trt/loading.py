@@ -33,6 +33,17 @@ def check_same_vocabulary(target: Checkpoint, draft: Checkpoint) -> None:
             )
 
 
+def usable_device(name: torch.device | str) -> torch.device:
+    """The torch device called ``name``, or a ValueError when it is malformed or absent here."""
+    try:
+        device = torch.device(name)
+    except RuntimeError as err:
+        raise ValueError(f"{name!r} is not a torch device (try cpu or cuda): {err}") from err
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device} was asked for, but this torch build sees no CUDA device")
+    return device
+
+
 def load_engines(
     target: str | Path | None,
     draft: str | Path | None,
@@ -42,6 +53,7 @@ def load_engines(
 ) -> tuple[Checkpoint, TorchEngine, Drafter | None]:
     """Load the target (the embedded default model when None) and the drafter: None or "none" for plain
     decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file."""
+    device = usable_device(device)
     target_ck = load_checkpoint(target if target is not None else default_model_path(), dtype)
     drafter: Drafter | None = None
     draft_ck = None

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -68,6 +69,7 @@ def test_chat_template(target) -> None:
         (["--draft", "no/such/dir", "x"], 1, "does not exist"),
         (["--max-context", "16", "-n", "20", "x"], 1, "max context"),
         (["-n", "4", ""], 1, "prompt is empty"),
+        (["--device", "tpu9", "x"], 1, "not a torch device"),
     ],
 )
 def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message: str) -> None:
@@ -92,10 +94,10 @@ def test_missing_target_path() -> None:
 @pytest.mark.slow
 def test_default_model_answers(tmp_path) -> None:
     """The real path: the console script on the embedded SmolLM2-135M-Instruct, no --target."""
-    executable = shutil.which("specdec-run")
-    assert executable, "specdec-run is not installed on PATH"
+    executable = Path(sys.executable).parent / "specdec-run"  # the console script beside this interpreter
+    assert executable.is_file(), f"{executable} is not installed"
     completed = subprocess.run(
-        [executable, "--chat", "-n", "24", "--json", "What is the capital of France?"],
+        [str(executable), "--chat", "-n", "24", "--json", "What is the capital of France?"],
         capture_output=True,
         text=True,
         timeout=300,

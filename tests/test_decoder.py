@@ -4,6 +4,7 @@ statistics."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import CHARS, TEXT_VOCAB_SIZE, build_model, char_tokenizer
 
 from build_engines.checkpoint import CheckpointError
@@ -130,3 +131,21 @@ def test_stats_are_consistent(decoder: SpeculativeDecoder) -> None:
 
 def test_chat_template_is_applied(decoder: SpeculativeDecoder) -> None:
     assert decoder.apply_chat_template("hi") == "<s>user: hi\n<s>assistant: "
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
+def test_cuda_without_a_cuda_device_is_a_clear_error(make_checkpoint) -> None:
+    with pytest.raises(ValueError, match="no CUDA device"):
+        SpeculativeDecoder.from_pretrained(make_checkpoint(family="llama"), "ngram", device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_gives_the_cpu_engine_output(make_checkpoint) -> None:
+    """The same code on a CUDA device: greedy speculative output equals the CPU engine's plain output."""
+    target = make_checkpoint(family="qwen2")
+    draft = make_checkpoint(draft_of=({"family": "qwen2"}, 0.1), seed=6)
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    cpu = SpeculativeDecoder.from_pretrained(target, None, max_context=64).generate("hello world", params)
+    cuda = SpeculativeDecoder.from_pretrained(target, draft, max_context=64, device="cuda")
+    for gamma in (0, 1, 4):
+        assert cuda.generate("hello world", params, num_draft_tokens=gamma).token_ids == cpu.token_ids
