@@ -69,14 +69,37 @@ def default_model_path() -> Path:
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Load a checkpoint directory or a ``.gguf`` file, with its tokenizer when it has one."""
     path = Path(path).expanduser()
+    config = read_config(path)
+    if path.is_file():
+        return _load_gguf(path, config, dtype)
+    state_dict = {name: tensor.to(dtype) for name, tensor in _read_safetensors(path).items()}
+    return Checkpoint(path, config, state_dict, load_tokenizer(path))
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The architecture of a checkpoint directory or ``.gguf`` file, validated, without reading weights."""
+    path = Path(path).expanduser()
     if not path.exists():
         raise CheckpointError(f"{path} does not exist: pass a Hugging Face checkpoint directory or a .gguf file")
     if path.is_file():
         if path.suffix != ".gguf":
             hint = " (pickled weights are refused as unsafe)" if path.suffix in _PICKLED_SUFFIXES else ""
             raise CheckpointError(f"{path} is not a checkpoint directory or a .gguf file{hint}")
-        return _load_gguf(path, dtype)
-    return _load_directory(path, dtype)
+        try:
+            hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as err:  # noqa: BLE001 - a corrupt file can fail anywhere in the GGUF parser
+            raise CheckpointError(f"{path} is not a readable GGUF model ({type(err).__name__}: {err})") from err
+        return model_config(hf_config, path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file} is missing: a checkpoint directory needs config.json")
+    raw = _read_json(config_file)
+    if raw.get("model_type") not in SUPPORTED_FAMILIES:
+        raise CheckpointError(
+            f"{config_file}: model_type {raw.get('model_type')!r} is not supported; "
+            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return model_config(AutoConfig.from_pretrained(path), path)
 
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
@@ -100,21 +123,6 @@ def model_config(hf_config: Any, source: Path) -> ModelConfig:
         return ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as err:
         raise CheckpointError(f"{source}: {err}") from err
-
-
-def _load_directory(path: Path, dtype: torch.dtype) -> Checkpoint:
-    config_file = path / "config.json"
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file} is missing: a checkpoint directory needs config.json")
-    raw = _read_json(config_file)
-    if raw.get("model_type") not in SUPPORTED_FAMILIES:
-        raise CheckpointError(
-            f"{config_file}: model_type {raw.get('model_type')!r} is not supported; "
-            f"supported families: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    config = model_config(AutoConfig.from_pretrained(path), path)
-    state_dict = {name: tensor.to(dtype) for name, tensor in _read_safetensors(path).items()}
-    return Checkpoint(path, config, state_dict, load_tokenizer(path))
 
 
 def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
@@ -159,12 +167,7 @@ def _read_json(file: Path, default: dict | None = None) -> dict:
     return content
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
-    try:
-        hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except Exception as err:  # noqa: BLE001 - a corrupt file can fail anywhere in the GGUF parser
-        raise CheckpointError(f"{path} is not a readable GGUF model ({type(err).__name__}: {err})") from err
-    config = model_config(hf_config, path)
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> Checkpoint:
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     except Exception as err:  # noqa: BLE001 - as above: truncated tensor data fails deep in the parser

@@ -23,6 +23,7 @@ class Engine(Protocol):
 
     vocab_size: int
     max_context: int
+    max_draft_len: int | None  # most drafts one verify pass was built for (None: no limit)
     device: torch.device
 
     @property

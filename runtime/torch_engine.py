@@ -20,6 +20,7 @@ class TorchEngine:
         self.model = model.to(self.device).eval()
         self.vocab_size = model.config.vocab_size
         self.max_context = model.max_context
+        self.max_draft_len: int | None = None  # any number of new tokens per forward
         self.dtype = next(model.parameters()).dtype
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lengths = torch.zeros(0, dtype=torch.int64)

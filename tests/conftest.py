@@ -58,13 +58,15 @@ def build_model(
     logit_scale: float = 3.0,
     like: torch.nn.Module | None = None,
     noise: float = 0.0,
+    head_dim: int | None = None,
 ) -> torch.nn.Module:
     """A random model of ``family`` whose every parameter (biases and norm weights too) is non-trivial.
 
     ``logit_scale`` sets the spread of the output logits, so distributions are peaked rather than
     uniform. With ``like``, the weights are ``like``'s plus relative Gaussian ``noise``: a draft that
-    agrees with that target often."""
-    extra = {"head_dim": 12} if family == "qwen3" else {}
+    agrees with that target often. Qwen3 gets a head_dim unrelated to hidden_size / heads (12 unless
+    ``head_dim`` says otherwise), as real Qwen3 configs have."""
+    extra = {"head_dim": head_dim or 12} if family == "qwen3" else {"head_dim": head_dim} if head_dim else {}
     config = _CONFIGS[family](
         vocab_size=vocab_size,
         hidden_size=hidden_size,

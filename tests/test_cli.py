@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,17 +94,19 @@ def test_missing_target_path() -> None:
 
 @pytest.mark.slow
 def test_default_model_answers(tmp_path) -> None:
-    """The real path: the console script on the embedded SmolLM2-135M-Instruct, no --target."""
+    """The real path: the console script with no model arguments builds the default engines
+    (SmolLM2-135M-Instruct, int4 self-draft) into the cache on first use, then reuses them."""
     executable = Path(sys.executable).parent / "specdec-run"  # the console script beside this interpreter
     assert executable.is_file(), f"{executable} is not installed"
-    completed = subprocess.run(
-        [str(executable), "--chat", "-n", "24", "--json", "What is the capital of France?"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr
-    data = json.loads(completed.stdout)
-    assert "Paris" in data["text"]
-    assert data["stats"]["generated_tokens"] == len(data["token_ids"]) > 0
+    command = [str(executable), "--chat", "-n", "24", "--json", "What is the capital of France?"]
+    environment = {**os.environ, "SPECDEC_CACHE": str(tmp_path)}
+    runs = [subprocess.run(command, capture_output=True, text=True, timeout=600, env=environment) for _ in range(2)]
+    for completed in runs:
+        assert completed.returncode == 0, completed.stderr
+        data = json.loads(completed.stdout)
+        assert "Paris" in data["text"]
+        assert data["stats"]["generated_tokens"] == len(data["token_ids"]) > 0
+        assert data["draft"] == "engine" and data["stats"]["drafted_tokens"] > 0
+    assert "Building the default engines" in runs[0].stderr
+    assert "Building" not in runs[1].stderr, "the second run should reuse the cached engines"
+    assert (tmp_path / "engines" / "smollm2-135m" / "manifest.json").is_file()

@@ -1,0 +1,229 @@
+"""Export the compact decoder to an ONNX graph for ONNX Runtime, and block-quantize it to 4 bits.
+
+The graph is written node by node from the model's weights, using ONNX Runtime's fused contrib operators:
+``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm) and ``GroupQueryAttention`` (rotary
+embedding + attention + KV cache write). The KV cache of every layer is a graph input and output in BNSH
+layout with ``max_context`` positions; the runtime binds the same buffer as both (GQA's shared
+past/present buffer), so a step writes only the new tokens' keys and values and never copies the cache.
+Per-row cache lengths come in as ``seqlens_k``: rolling back a rejected draft is a smaller number.
+
+Inputs:  input_ids [B, T] int64, logits_index [B, K] int64 (positions whose logits to return),
+         seqlens_k [B] int32 (cached + new tokens - 1), total_sequence_length [] int32,
+         past_key.{i} / past_value.{i} [B, H_kv, max_context, D]
+Outputs: logits [B, K, V] float32, present_key.{i} / present_value.{i} (the same buffers)
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from build_engines.model import CompactDecoder, ModelConfig, rope_tables
+
+OPSET = 17
+EXTERNAL_DATA_SUFFIX = ".data"
+_ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
+INT4_BLOCK_SIZE = 32
+
+
+class ExportError(ValueError):
+    """The model cannot be exported with the requested settings."""
+
+
+def input_names(num_layers: int) -> list[str]:
+    """Graph input names in order."""
+    caches = [f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
+    return ["input_ids", "logits_index", "seqlens_k", "total_sequence_length", *caches]
+
+
+def output_names(num_layers: int) -> list[str]:
+    """Graph output names in order."""
+    return ["logits", *[f"present_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]]
+
+
+def check_exportable(config: ModelConfig) -> None:
+    """Refuse what ONNX Runtime's GroupQueryAttention cannot run, before any long work."""
+    if config.head_dim % 16:
+        raise ExportError(
+            f"head_dim {config.head_dim} is not a multiple of 16, which ONNX Runtime's GroupQueryAttention "
+            "needs for its rotary embedding; use the PyTorch engine for this model"
+        )
+
+
+@dataclass
+class _Graph:
+    """A tiny helper that names nodes and collects initializers."""
+
+    dtype: int
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[onnx.TensorProto] = field(default_factory=list)
+    _count: int = 0
+
+    def weight(self, name: str, array: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, inputs: list[str], outputs: int | list[str] = 1, domain: str = "", **attrs) -> list[str]:
+        self._count += 1
+        names = outputs if isinstance(outputs, list) else [f"{op_type}_{self._count}_{i}" for i in range(outputs)]
+        self.nodes.append(
+            helper.make_node(op_type, inputs, names, name=f"{op_type}_{self._count}", domain=domain, **attrs)
+        )
+        return names
+
+
+def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.float32) -> None:
+    """Write ``model`` as ``path`` (graph) plus ``path.data`` (weights, external data)."""
+    config = model.config
+    check_exportable(config)
+    if dtype not in _ONNX_DTYPES:
+        raise ExportError(f"dtype {dtype} is not supported for ONNX export (float32 or float16)")
+    graph = _Graph(_ONNX_DTYPES[dtype])
+    weights = {name: t.detach().to(dtype).numpy() for name, t in model.state_dict().items()}
+    cos, sin = rope_tables(config, model.max_context)
+    half = config.head_dim // 2
+    graph.weight("rope_cos", cos[:, :half].to(dtype).numpy())
+    graph.weight("rope_sin", sin[:, :half].to(dtype).numpy())
+
+    hidden = graph.op("Gather", [graph.weight("embed_tokens", weights["model.embed_tokens.weight"]), "input_ids"])[0]
+    residual = None
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}."
+        normed, residual = _add_and_norm(graph, hidden, residual, weights[prefix + "input_layernorm.weight"], config)
+        attention = _attention(graph, normed, weights, prefix + "self_attn.", i, config)
+        normed, residual = _add_and_norm(
+            graph, attention, residual, weights[prefix + "post_attention_layernorm.weight"], config
+        )
+        hidden = _mlp(graph, normed, weights, prefix + "mlp.", config)
+    final, _ = _add_and_norm(graph, hidden, residual, weights["model.norm.weight"], config)
+    index = graph.op("Unsqueeze", ["logits_index", graph.weight("axis_last", np.array([-1], np.int64))])[0]
+    picked = graph.op("GatherND", [final, index], batch_dims=1)[0]
+    logits = graph.op("MatMul", [picked, graph.weight("lm_head", weights["lm_head.weight"].T)])[0]
+    graph.op("Cast", [logits], ["logits"], to=TensorProto.FLOAT)
+
+    cache_shape = ["batch", config.num_kv_heads, model.max_context, config.head_dim]
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new_tokens"]),
+        helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["batch", "logit_positions"]),
+        helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
+        helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "logit_positions", config.vocab_size])
+    ]
+    for name in input_names(config.num_layers)[4:]:
+        inputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
+    for name in output_names(config.num_layers)[1:]:
+        outputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
+    onnx_graph = helper.make_graph(graph.nodes, "specdec_decoder", inputs, outputs, graph.initializers)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
+    save_model(helper.make_model(onnx_graph, opset_imports=opsets, producer_name="specdec-trt"), path)
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Save with every weight in one external data file beside the graph (no 2 GB protobuf limit)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
+    data.unlink(missing_ok=True)
+    onnx.save_model(
+        model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024
+    )
+
+
+def quantize_int4(source: Path, destination: Path, block_size: int = INT4_BLOCK_SIZE) -> None:
+    """Block-quantize every MatMul weight of ``source`` to 4 bits (ONNX Runtime's MatMulNBits, symmetric,
+    ``block_size`` per block) and save the result as ``destination``."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # It logs one INFO line per node.
+    logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer").setLevel(logging.WARNING)
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(source), bits=4, block_size=block_size, is_symmetric=True, accuracy_level=4
+    )
+    quantizer.process()
+    save_model(quantizer.model.model, destination)
+
+
+def _add_and_norm(
+    graph: _Graph, x: str, residual: str | None, weight: np.ndarray, config: ModelConfig
+) -> tuple[str, str]:
+    """RMSNorm(x + residual) and the new residual x + residual (just x for the first layer)."""
+    gamma = graph.weight(f"norm_{len(graph.initializers)}", weight)
+    if residual is None:
+        return graph.op("SimplifiedLayerNormalization", [x, gamma], axis=-1, epsilon=config.rms_norm_eps)[0], x
+    normed, _, _, summed = graph.op(
+        "SkipSimplifiedLayerNormalization", [x, residual, gamma], 4, domain="com.microsoft", epsilon=config.rms_norm_eps
+    )
+    return normed, summed
+
+
+def _attention(graph: _Graph, x: str, weights: dict, prefix: str, layer: int, config: ModelConfig) -> str:
+    q_dim, kv_dim = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    fused = np.concatenate([weights[prefix + f"{p}_proj.weight"] for p in "qkv"], axis=0).T
+    qkv = graph.op("MatMul", [x, graph.weight(f"qkv_{layer}", fused)])[0]
+    if config.qkv_bias:
+        bias = np.concatenate([weights[prefix + f"{p}_proj.bias"] for p in "qkv"])
+        qkv = graph.op("Add", [qkv, graph.weight(f"qkv_bias_{layer}", bias)])[0]
+    sizes = graph.weight(f"qkv_split_{layer}", np.array([q_dim, kv_dim, kv_dim], np.int64))
+    q, k, v = graph.op("Split", [qkv, sizes], 3, axis=-1)
+    if config.qk_norm:
+        q = _head_norm(graph, q, weights[prefix + "q_norm.weight"], config.num_heads, config)
+        k = _head_norm(graph, k, weights[prefix + "k_norm.weight"], config.num_kv_heads, config)
+    attended = graph.op(
+        "GroupQueryAttention",
+        [
+            q,
+            k,
+            v,
+            f"past_key.{layer}",
+            f"past_value.{layer}",
+            "seqlens_k",
+            "total_sequence_length",
+            "rope_cos",
+            "rope_sin",
+        ],
+        [f"attention_{layer}", f"present_key.{layer}", f"present_value.{layer}"],
+        domain="com.microsoft",
+        num_heads=config.num_heads,
+        kv_num_heads=config.num_kv_heads,
+        do_rotary=1,
+        rotary_interleaved=0,
+    )[0]
+    out = graph.op("MatMul", [attended, graph.weight(f"o_{layer}", weights[prefix + "o_proj.weight"].T)])[0]
+    if config.o_bias:
+        out = graph.op("Add", [out, graph.weight(f"o_bias_{layer}", weights[prefix + "o_proj.bias"])])[0]
+    return out
+
+
+def _head_norm(graph: _Graph, x: str, weight: np.ndarray, heads: int, config: ModelConfig) -> str:
+    """Qwen3's RMSNorm over each head's dimensions, before the rotary embedding."""
+    per_head = graph.weight(f"head_shape_{len(graph.initializers)}", np.array([0, 0, heads, config.head_dim], np.int64))
+    flat = graph.weight(f"flat_shape_{len(graph.initializers)}", np.array([0, 0, heads * config.head_dim], np.int64))
+    split = graph.op("Reshape", [x, per_head])[0]
+    gamma = graph.weight(f"head_norm_{len(graph.initializers)}", weight)
+    normed = graph.op("SimplifiedLayerNormalization", [split, gamma], axis=-1, epsilon=config.rms_norm_eps)[0]
+    return graph.op("Reshape", [normed, flat])[0]
+
+
+def _mlp(graph: _Graph, x: str, weights: dict, prefix: str, config: ModelConfig) -> str:
+    fused = np.concatenate([weights[prefix + "gate_proj.weight"], weights[prefix + "up_proj.weight"]], axis=0).T
+    name = f"{prefix}gate_up"
+    gate_up = graph.op("MatMul", [x, graph.weight(name, fused)])[0]
+    if config.mlp_bias:
+        bias = np.concatenate([weights[prefix + "gate_proj.bias"], weights[prefix + "up_proj.bias"]])
+        gate_up = graph.op("Add", [gate_up, graph.weight(name + "_bias", bias)])[0]
+    gate, up = graph.op("Split", [gate_up], 2, axis=-1)
+    silu = graph.op("Mul", [gate, graph.op("Sigmoid", [gate])[0]])[0]
+    down = graph.op(
+        "MatMul",
+        [graph.op("Mul", [silu, up])[0], graph.weight(prefix + "down", weights[prefix + "down_proj.weight"].T)],
+    )[0]
+    if config.mlp_bias:
+        down = graph.op("Add", [down, graph.weight(prefix + "down_bias", weights[prefix + "down_proj.bias"])])[0]
+    return down

@@ -1,0 +1,164 @@
+"""ONNX Runtime engine: an exported decoder graph with preallocated KV buffers and I/O binding.
+
+Each layer's key and value cache is one preallocated buffer bound as both the graph's past input and its
+present output, so GroupQueryAttention writes only the new tokens in place. Truncation only changes the
+per-row lengths that become ``seqlens_k``. ONNX Runtime's CPU GroupQueryAttention takes several new
+tokens on top of a cache for one row at a time, so a multi-row verify pass runs row by row over views of
+the same buffers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+from onnxruntime.capi.onnxruntime_pybind11_state import set_global_thread_pool_sizes
+
+from runtime.engine import check_prompt_lengths, check_room, check_truncate
+
+PROVIDERS = {
+    "cpu": ("CPUExecutionProvider", "onnxruntime (installed with specdec-trt)"),
+    "cuda": ("CUDAExecutionProvider", "onnxruntime-gpu: pip install 'specdec-trt[gpu]' on a machine with CUDA"),
+    "tensorrt": (
+        "TensorrtExecutionProvider",
+        "onnxruntime-gpu with the TensorRT libraries: pip install 'specdec-trt[gpu]' tensorrt",
+    ),
+}
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_pool_configured = False
+
+
+class ProviderUnavailableError(ValueError):
+    """The requested ONNX Runtime execution provider is not in this installation."""
+
+
+@dataclass(frozen=True)
+class OrtModelSpec:
+    """What the runtime needs to know about an exported graph (from the engine manifest)."""
+
+    path: Path
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    max_draft_len: int
+    dtype: str = "float32"
+
+
+def session_options(threads: int | None = None) -> ort.SessionOptions:
+    """Session options for decoding: the graph is already fused offline, so only basic optimisation runs
+    at load. Sessions share one process-wide thread pool of ``threads`` intra-op threads (default: one per
+    core), sized by the first engine: with a pool per session, the idle session's spinning threads steal
+    the cores from the session that runs (measured: 40 ms instead of 25 ms per target step)."""
+    global _pool_configured
+    if not _pool_configured:
+        set_global_thread_pool_sizes(threads or 0, 1)
+        _pool_configured = True
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.use_per_session_threads = False
+    return options
+
+
+def provider_name(provider: str) -> str:
+    """The ONNX Runtime provider for ``cpu``, ``cuda`` or ``tensorrt``, or a clear error naming the package."""
+    if provider not in PROVIDERS:
+        raise ProviderUnavailableError(f"unknown provider {provider!r}: choose one of {', '.join(PROVIDERS)}")
+    name, package = PROVIDERS[provider]
+    if name not in ort.get_available_providers():
+        raise ProviderUnavailableError(
+            f"provider {provider!r} ({name}) is not available in this onnxruntime "
+            f"({', '.join(ort.get_available_providers())}); it needs {package}"
+        )
+    return name
+
+
+class OrtEngine:
+    """Engine protocol over an ONNX Runtime session of a graph made by ``build_engines.onnx_export``."""
+
+    def __init__(self, spec: OrtModelSpec, provider: str = "cpu", threads: int | None = None) -> None:
+        self.spec = spec
+        self.session = ort.InferenceSession(
+            str(spec.path), session_options(threads), providers=[provider_name(provider)]
+        )
+        self.vocab_size = spec.vocab_size
+        self.max_context = spec.max_context
+        self.max_draft_len: int | None = spec.max_draft_len
+        self.device = torch.device("cpu")
+        self._cache_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_")]
+        self._caches: dict[str, np.ndarray] = {}
+        self._values: dict[str, ort.OrtValue] = {}  # the caches wrapped once for binding (no copy)
+        self._lengths = np.zeros(0, dtype=np.int64)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.from_numpy(self._lengths.copy())
+
+    def prefill(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        batch, width = token_ids.shape
+        check_room(torch.tensor([width]), 0, self.max_context)
+        check_prompt_lengths(lengths, batch, width)
+        if not self._caches or next(iter(self._caches.values())).shape[0] != batch:
+            shape = (batch, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
+            self._caches = {name: np.zeros(shape, _NUMPY_DTYPES[self.spec.dtype]) for name in self._cache_names}
+            self._values = {name: ort.OrtValue.ortvalue_from_numpy(buffer) for name, buffer in self._caches.items()}
+        real = lengths.numpy().astype(np.int64)
+        # An empty past: total length == new tokens, so GroupQueryAttention treats this as a first prompt.
+        logits = self._run(token_ids.numpy(), (real - 1)[:, None], real - 1, width, self._values)
+        self._lengths = real.copy()
+        return torch.from_numpy(logits[:, 0])
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        if not self._caches:
+            raise RuntimeError("forward() before prefill(): start a batch with prefill first")
+        check_room(torch.from_numpy(self._lengths), token_ids.shape[1], self.max_context)
+        ids = token_ids.cpu().numpy().astype(np.int64)
+        batch, new = ids.shape
+        positions = np.broadcast_to(np.arange(new, dtype=np.int64), (batch, new))
+        if batch == 1 or new == 1:
+            logits = self._run(ids, positions, self._lengths + new - 1, int(self._lengths.max()) + new, self._values)
+        else:
+            rows = [
+                self._run(
+                    ids[b : b + 1],
+                    positions[b : b + 1],
+                    self._lengths[b : b + 1] + new - 1,
+                    int(self._lengths[b]) + new,
+                    self._row_values(b),
+                )
+                for b in range(batch)
+            ]
+            logits = np.concatenate(rows)
+        self._lengths = self._lengths + new
+        return torch.from_numpy(logits)
+
+    def truncate(self, lengths: torch.Tensor | int) -> None:
+        self._lengths = check_truncate(torch.from_numpy(self._lengths), lengths).numpy()
+
+    def close(self) -> None:
+        self._caches, self._values = {}, {}
+        self._lengths = np.zeros(0, dtype=np.int64)
+
+    def _row_values(self, row: int) -> dict[str, ort.OrtValue]:
+        """Row ``row``'s slice of every cache, wrapped without copying."""
+        return {name: ort.OrtValue.ortvalue_from_numpy(c[row : row + 1]) for name, c in self._caches.items()}
+
+    def _run(
+        self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray, total: int, caches: dict[str, ort.OrtValue]
+    ) -> np.ndarray:
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
+        binding.bind_cpu_input("logits_index", np.ascontiguousarray(positions))
+        binding.bind_cpu_input("seqlens_k", seqlens.astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
+        for name, value in caches.items():
+            # The same memory is the past input and the present output: written in place, never copied.
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        binding.bind_output("logits")
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[-1].numpy()

@@ -1,0 +1,216 @@
+"""The build pipeline behind ``specdec-build``: checkpoints in, a verified engine directory out.
+
+Stages: load, export target, export draft, quantize, optimise, verify, write. Everything that can be
+refused (an existing output directory, a draft with another vocabulary, a context or draft length the
+model cannot take, an architecture the exporter cannot run) is refused before the first long stage.
+The directory is assembled under ``<out>.partial`` and renamed into place only after it verified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, load_tokenizer, read_config
+from build_engines.manifest import Manifest, ModelEntry, write_manifest
+from build_engines.model import CompactDecoder, ModelConfig
+from build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
+from runtime.ort_engine import OrtEngine
+from runtime.torch_engine import TorchEngine
+from specdec_trt.loading import VocabularyMismatchError, model_spec
+
+STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+MAX_DRAFT_LEN_LIMIT = 32
+VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
+DRAFT_INT4, DRAFT_NONE = "int4", "none"
+PRESETS = {
+    "smollm2-135m": {"target": None, "draft": DRAFT_INT4, "max_draft_len": 8, "max_context": 2048, "dtype": "float32"},
+}
+
+
+class BuildError(ValueError):
+    """The requested build cannot be done; nothing was written."""
+
+
+@dataclass(frozen=True)
+class BuildRequest:
+    """What to build. ``target=None`` is the embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint,
+    "int4" (the target block-quantized to 4 bits) or "none"."""
+
+    out: Path
+    target: str | Path | None = None
+    draft: str | Path = DRAFT_INT4
+    max_draft_len: int = 8
+    max_context: int = 2048
+    dtype: str = "float32"
+    force: bool = False
+
+
+def default_engine_dir() -> Path:
+    """Where ``specdec-run`` keeps the default engines: ``$SPECDEC_CACHE`` or ~/.cache/specdec-trt."""
+    root = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec-trt"))
+    return root / "engines" / "smollm2-135m"
+
+
+def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | None]:
+    """Every refusal that needs no weights: returns the target's and the draft checkpoint's configs."""
+    if request.dtype not in DTYPES:
+        raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(DTYPES)}")
+    if request.out.exists() and any(request.out.iterdir()) and not request.force:
+        raise BuildError(f"{request.out} exists and is not empty: choose another --out or pass --force to replace it")
+    target = read_config(_target_path(request))
+    check_exportable(target)
+    if not 1 <= request.max_draft_len <= MAX_DRAFT_LEN_LIMIT:
+        raise BuildError(f"--max-draft-len must be in [1, {MAX_DRAFT_LEN_LIMIT}], got {request.max_draft_len}")
+    if request.max_context > target.max_context:
+        raise BuildError(f"--max-context {request.max_context} exceeds what the target supports ({target.max_context})")
+    if request.max_context < request.max_draft_len + 2:
+        raise BuildError(
+            f"--max-context {request.max_context} leaves no room for a prompt and {request.max_draft_len} drafts"
+        )
+    draft = None
+    if str(request.draft) not in (DRAFT_INT4, DRAFT_NONE):
+        draft = read_config(request.draft)
+        check_exportable(draft)
+        if draft.vocab_size != target.vocab_size:
+            raise VocabularyMismatchError(
+                f"the draft {request.draft} has {draft.vocab_size} token ids but the target has {target.vocab_size}: "
+                "pick a draft trained with the target's tokenizer"
+            )
+        target_vocab, draft_vocab = load_tokenizer(_target_path(request)), load_tokenizer(request.draft)
+        if target_vocab is not None and draft_vocab is not None and target_vocab.get_vocab() != draft_vocab.get_vocab():
+            raise VocabularyMismatchError(f"the draft {request.draft} and the target have different tokenizers")
+        if request.max_context > draft.max_context:
+            raise BuildError(
+                f"--max-context {request.max_context} exceeds what the draft supports ({draft.max_context})"
+            )
+    return target, draft
+
+
+def build(request: BuildRequest, on_stage: Callable[[str], None] = lambda stage: None) -> Manifest:
+    """Build an engine directory; ``on_stage`` is called as each stage starts (for a progress bar)."""
+    check_request(request)
+    staging = request.out.with_name(request.out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        manifest = _build_into(staging, request, on_stage)
+        if request.out.exists():
+            shutil.rmtree(request.out)
+        staging.rename(request.out)
+        return manifest
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str], None]) -> Manifest:
+    dtype = DTYPES[request.dtype]
+    on_stage("load")
+    target = load_checkpoint(_target_path(request))
+    draft = None if str(request.draft) in (DRAFT_INT4, DRAFT_NONE) else load_checkpoint(request.draft)
+    target_model = _compact(target, request.max_context)
+    on_stage("export target")
+    export_onnx(target_model, directory / "raw" / "target.onnx", dtype)
+    on_stage("export draft")
+    if draft is not None:
+        export_onnx(_compact(draft, request.max_context), directory / "raw" / "draft.onnx", dtype)
+    on_stage("quantize")
+    if request.draft == DRAFT_INT4:
+        quantize_int4(directory / "raw" / "target.onnx", directory / "raw" / "draft.onnx")
+    on_stage("optimise")
+    roles = ["target"] + ([] if request.draft == DRAFT_NONE else ["draft"])
+    for role in roles:
+        _optimise(directory / "raw" / f"{role}.onnx", directory / role / "model.onnx")
+    shutil.rmtree(directory / "raw")
+    on_stage("verify")
+    entries = {"target": _entry(request, target, "target", "none")}
+    if draft is not None:
+        entries["draft"] = _entry(request, draft, "draft", "none")
+    elif request.draft == DRAFT_INT4:
+        entries["draft"] = _entry(request, target, "draft", f"int4-block{INT4_BLOCK_SIZE}")
+    _verify(directory, entries["target"], target_model, request)
+    if "draft" in entries:
+        _verify_runs(directory, entries["draft"])
+    on_stage("write")
+    tokenizer = target.tokenizer
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory / "tokenizer")
+    versions = {name: version(name) for name in ("specdec-trt", "torch", "onnx", "onnxruntime", "transformers")}
+    kind = {DRAFT_INT4: "int4", DRAFT_NONE: "none"}.get(str(request.draft), "model")
+    return write_manifest(directory, entries["target"], entries.get("draft"), kind, versions)
+
+
+def _target_path(request: BuildRequest) -> Path:
+    return Path(request.target) if request.target is not None else default_model_path()
+
+
+def _compact(checkpoint: Checkpoint, max_context: int) -> CompactDecoder:
+    model = CompactDecoder(checkpoint.config, max_context)
+    model.load_weights(checkpoint.state_dict)
+    return model.eval()
+
+
+def _optimise(source: Path, destination: Path) -> None:
+    """Save ONNX Runtime's extended graph optimisations (hardware-independent) so loading needs none."""
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    options.optimized_model_filepath = str(destination)
+    options.add_session_config_entry(
+        "session.optimized_model_external_initializers_file_name", destination.name + ".data"
+    )
+    options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    ort.InferenceSession(str(source), options, providers=["CPUExecutionProvider"])
+
+
+def _entry(request: BuildRequest, checkpoint: Checkpoint, role: str, quantization: str) -> ModelEntry:
+    config = checkpoint.config
+    return ModelEntry(
+        graph=f"{role}/model.onnx",
+        dtype=request.dtype,
+        quantization=quantization,
+        max_context=request.max_context,
+        max_draft_len=request.max_draft_len,
+        opset=OPSET,
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        eos_token_ids=list(config.eos_token_ids),
+        source=str(checkpoint.source),
+        architecture=json.loads(config.hf_config.to_json_string()),
+    )
+
+
+def _verify(directory: Path, entry: ModelEntry, model: CompactDecoder, request: BuildRequest) -> None:
+    """The exported target must give the compact model's logits: a prompt, then a full verify block."""
+    engine = OrtEngine(model_spec(directory, entry))
+    reference = TorchEngine(model)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, entry.vocab_size, (1, 12), generator=generator)
+    block = torch.randint(0, entry.vocab_size, (1, request.max_draft_len + 1), generator=generator)
+    lengths = torch.tensor([prompt.shape[1]])
+    pairs = [
+        (engine.prefill(prompt, lengths), reference.prefill(prompt, lengths)),
+        (engine.forward(block), reference.forward(block)),
+    ]
+    error = max(float((ours - theirs.float()).abs().max()) for ours, theirs in pairs)
+    if error > VERIFY_TOLERANCE[request.dtype]:
+        raise BuildError(f"the exported target's logits differ from the model's by {error:.2e}: the export is wrong")
+
+
+def _verify_runs(directory: Path, entry: ModelEntry) -> None:
+    """The draft graph loads and gives finite logits for a prompt and a full verify block."""
+    engine = OrtEngine(model_spec(directory, entry))
+    logits = engine.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3]))
+    logits = torch.cat([logits, engine.forward(torch.tensor([[4] * (entry.max_draft_len + 1)]))[0]])
+    if not bool(torch.isfinite(logits).all()):
+        raise BuildError("the draft graph produced non-finite logits")
