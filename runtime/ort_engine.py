@@ -3,8 +3,8 @@
 Each layer's key and value cache is one preallocated buffer bound as both the graph's past input and its
 present output, so GroupQueryAttention writes only the new tokens in place. Truncation only changes the
 per-row lengths that become ``seqlens_k``. ONNX Runtime's CPU GroupQueryAttention takes several new
-tokens on top of a cache for one row at a time, so a multi-row verify pass runs row by row over views of
-the same buffers.
+tokens on top of a cache for one row at a time, so a multi-row verify pass runs either one batched pass
+per new token or one pass per row (over views of the same buffers), whichever is fewer passes.
 """
 
 from __future__ import annotations
@@ -118,21 +118,16 @@ class OrtEngine:
         check_room(torch.from_numpy(self._lengths), token_ids.shape[1], self.max_context)
         ids = token_ids.cpu().numpy().astype(np.int64)
         batch, new = ids.shape
-        positions = np.broadcast_to(np.arange(new, dtype=np.int64), (batch, new))
         if batch == 1 or new == 1:
-            logits = self._run(ids, positions, self._lengths + new - 1, int(self._lengths.max()) + new, self._values)
-        else:
-            rows = [
-                self._run(
-                    ids[b : b + 1],
-                    positions[b : b + 1],
-                    self._lengths[b : b + 1] + new - 1,
-                    int(self._lengths[b]) + new,
-                    self._row_values(b),
-                )
-                for b in range(batch)
-            ]
-            logits = np.concatenate(rows)
+            logits = self._step(ids, self._lengths, self._values)
+        elif new <= batch:  # one batched pass per new token: exact (causal), and reads the weights `new` times
+            logits = np.concatenate(
+                [self._step(ids[:, i : i + 1], self._lengths + i, self._values) for i in range(new)], 1
+            )
+        else:  # one pass per row, over views of its cache rows
+            logits = np.concatenate(
+                [self._step(ids[b : b + 1], self._lengths[b : b + 1], self._row_values(b)) for b in range(batch)]
+            )
         self._lengths = self._lengths + new
         return torch.from_numpy(logits)
 
@@ -142,6 +137,12 @@ class OrtEngine:
     def close(self) -> None:
         self._caches, self._values = {}, {}
         self._lengths = np.zeros(0, dtype=np.int64)
+
+    def _step(self, ids: np.ndarray, cached: np.ndarray, caches: dict[str, ort.OrtValue]) -> np.ndarray:
+        """Logits of every new token in ``ids`` [B, T] placed after ``cached`` [B] tokens."""
+        batch, new = ids.shape
+        positions = np.broadcast_to(np.arange(new, dtype=np.int64), (batch, new))
+        return self._run(ids, positions, cached + new - 1, int(cached.max()) + new, caches)
 
     def _row_values(self, row: int) -> dict[str, ort.OrtValue]:
         """Row ``row``'s slice of every cache, wrapped without copying."""

@@ -23,7 +23,7 @@ from build_engines.checkpoint import Checkpoint, default_model_path, load_checkp
 from build_engines.manifest import Manifest, ModelEntry, write_manifest
 from build_engines.model import CompactDecoder, ModelConfig
 from build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
-from runtime.ort_engine import OrtEngine
+from runtime.ort_engine import OrtEngine, session_options
 from runtime.torch_engine import TorchEngine
 from specdec_trt.loading import VocabularyMismatchError, model_spec
 
@@ -161,7 +161,7 @@ def _compact(checkpoint: Checkpoint, max_context: int) -> CompactDecoder:
 def _optimise(source: Path, destination: Path) -> None:
     """Save ONNX Runtime's extended graph optimisations (hardware-independent) so loading needs none."""
     destination.parent.mkdir(parents=True, exist_ok=True)
-    options = ort.SessionOptions()
+    options = session_options()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
     options.optimized_model_filepath = str(destination)
     options.add_session_config_entry(
@@ -195,7 +195,8 @@ def _verify(directory: Path, entry: ModelEntry, model: CompactDecoder, request: 
     engine = OrtEngine(model_spec(directory, entry))
     reference = TorchEngine(model)
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, entry.vocab_size, (1, 12), generator=generator)
+    prompt_length = min(12, entry.max_context - entry.max_draft_len - 1)  # check_request leaves room for 1
+    prompt = torch.randint(0, entry.vocab_size, (1, prompt_length), generator=generator)
     block = torch.randint(0, entry.vocab_size, (1, request.max_draft_len + 1), generator=generator)
     lengths = torch.tensor([prompt.shape[1]])
     pairs = [

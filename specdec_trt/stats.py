@@ -81,11 +81,6 @@ class GenerationStats:
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
 
-def expected_tokens_per_round(alpha: float, gamma: int) -> float:
-    """tau for i.i.d. acceptance alpha and gamma drafts: (1 - alpha^(gamma+1)) / (1 - alpha)."""
-    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
 def ideal_speedup(tau: float, gamma: int, cost_ratio: float) -> float:
     """Speedup over plain decoding when a round costs gamma draft steps of relative cost c plus one target
     step and yields tau tokens: tau / (gamma c + 1) (Leviathan et al. 2023)."""

@@ -1,0 +1,256 @@
+"""Compiled engines on the default model: every figure of the engines issue, measured side by side in one run.
+
+SmolLM2-135M-Instruct, float32, greedy, ``--max-new-tokens`` new tokens, medians of ``--repeats`` after a
+warm-up; methods alternate inside each repeat so that drifting machine load hits all of them alike.
+
+1. plain decoding on the ONNX engine vs Hugging Face transformers ``generate`` on the same weights;
+2. per-step cost against context: decode tokens/s after a ~100-token and a ~1,500-token prompt;
+3. verify cost: the target's forward with 5 (and 6) new tokens vs with 1;
+4. speculative decoding with the int4 self-draft vs plain on the same engine, per gamma: tokens/s ratio,
+   acceptance, tau, the cost ratio c, the ideal speedup tau / (gamma c + 1) and measured / ideal;
+5. memory bandwidth: weight bytes read per token x tokens/s, beside the machine's measured read bandwidth.
+
+    .venv/bin/python scripts/bench_engines.py --out results/bench_engines.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+from transformers import AutoModelForCausalLM
+
+from build_engines.checkpoint import default_model_path
+from build_engines.manifest import MANIFEST_NAME, read_manifest
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build import PRESETS, BuildRequest, build, default_engine_dir
+from specdec_trt.stats import ideal_speedup
+
+PASSAGE = (
+    "The harbour town woke slowly. Fishing boats came in with the tide, gulls circled the market, and the "
+    "baker on the corner opened his shutters to the smell of bread. Children ran along the sea wall while "
+    "their grandparents argued about the weather, the price of fish and the new ferry timetable. "
+)
+QUESTIONS = {
+    "extract": "List every place and every kind of person the passage mentions, one per line.",
+    "chat": "Give three tips for staying focused while studying.",
+}
+
+
+def median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def machine_read_bandwidth(cores: int, gigabytes: float = 1.0) -> float:
+    """GB/s of a streaming read on every core (a torch sum over a buffer far larger than the caches),
+    best of 5."""
+    buffer = torch.ones(int(gigabytes * 1e9 / 4))
+    torch.set_num_threads(cores)
+    try:
+        best = min(_timed(buffer.sum) for _ in range(5))
+    finally:
+        torch.set_num_threads(1)
+    return buffer.numel() * 4 / best / 1e9
+
+
+def _timed(function) -> float:
+    start = time.perf_counter()
+    function()
+    return time.perf_counter() - start
+
+
+def step_times(engine, context: int, new_tokens: int, repeats: int = 20) -> float:
+    """Median seconds of one forward of ``new_tokens`` tokens after ``context`` cached tokens."""
+    engine.prefill(torch.randint(0, engine.vocab_size, (1, context)), torch.tensor([context]))
+    samples = []
+    for _ in range(repeats):
+        tokens = torch.randint(0, engine.vocab_size, (1, new_tokens))
+        samples.append(_timed(lambda tokens=tokens: engine.forward(tokens)))
+        engine.truncate(context)
+    return statistics.median(samples)
+
+
+def weight_bytes_per_token(directory: Path) -> int:
+    """Bytes of target weights one decode step reads: every weight except the embedding table (one row)."""
+    manifest = read_manifest(directory, verify_files=False)
+    config = manifest.target.architecture
+    total = manifest.files["target/model.onnx.data"]["bytes"]
+    return total - config["vocab_size"] * config["hidden_size"] * 4
+
+
+@click.command()
+@click.option("--engines", type=click.Path(path_type=Path), help="Engine directory (default: the default engines).")
+@click.option("--max-new-tokens", "-n", type=int, default=128)
+@click.option("--repeats", type=int, default=3)
+@click.option("--gammas", default="2,3,4,5", help="Draft lengths to measure.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench_engines.json"))
+def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, out: Path) -> None:
+    """Run the engines benchmark and print its tables."""
+    directory = engines or default_engine_dir()
+    if not (directory / MANIFEST_NAME).is_file():
+        build(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]))
+    decoder = SpeculativeDecoder.from_engines(directory)
+    cores = os.cpu_count() or 1
+    path = default_model_path()
+    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    greedy = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
+    gamma_list = [int(g) for g in gammas.split(",")]
+    results: dict = {"environment": _environment(cores), "max_new_tokens": max_new_tokens, "repeats": repeats}
+
+    # 1 + 4: plain vs transformers vs speculative, per prompt, alternating.
+    rows = []
+    for name, question in QUESTIONS.items():
+        prompt = decoder.apply_chat_template(PASSAGE + "\n\n" + question)
+        ids = decoder.tokenize(prompt)
+        decoder.generate(prompt, SamplingParams(max_new_tokens=8), num_draft_tokens=max(gamma_list))  # warm-up
+        runs: dict[str, list] = {}
+        for _ in range(repeats):
+            for gamma in [0, *gamma_list]:
+                runs.setdefault(f"k={gamma}", []).append(decoder.generate(prompt, greedy, num_draft_tokens=gamma))
+            runs.setdefault("hf", []).append(_hf_generate(hf_model, ids, max_new_tokens, cores))
+        plain = runs["k=0"]
+        assert all(r.token_ids == plain[0].token_ids for key, rs in runs.items() if key != "hf" for r in rs)
+        plain_tps = statistics.median(r.stats.tokens_per_s for r in plain)
+        hf_tps = statistics.median(max_new_tokens / h[0] for h in runs["hf"])
+        ours = plain[0].token_ids
+        until_eos = next((i for i, t in enumerate(ours) if t in decoder.eos_token_ids), len(ours))
+        row = {"prompt": name, "prompt_tokens": len(ids), "plain_tokens_per_s": plain_tps, "hf_tokens_per_s": hf_tps}
+        row["plain_vs_hf"] = plain_tps / hf_tps
+        row["same_text_as_transformers_until_eos"] = runs["hf"][0][1][:until_eos] == ours[:until_eos]
+        # c: one draft step over one target step, on the engines, at the middle of this generation's context.
+        middle = len(ids) + max_new_tokens // 2
+        cost_ratio = step_times(decoder.drafter.engine, middle, 1) / step_times(decoder.target, middle, 1)
+        row["cost_ratio"] = cost_ratio
+        row["speculative"] = {}
+        for gamma in gamma_list:
+            spec = runs[f"k={gamma}"]
+            stats = [r.stats for r in spec]
+            tps = statistics.median(s.tokens_per_s for s in stats)
+            tau = statistics.median(s.mean_accepted_tokens for s in stats)
+            ideal = ideal_speedup(tau, gamma, cost_ratio)
+            row["speculative"][gamma] = {
+                "tokens_per_s": tps,
+                "speedup": tps / plain_tps,
+                "acceptance_rate": statistics.median(s.acceptance_rate for s in stats),
+                "tau": tau,
+                "ideal_speedup": ideal,
+                "efficiency": tps / plain_tps / ideal,
+                "per_position_acceptance": stats[0].per_position_acceptance,
+            }
+        rows.append(row)
+    results["generation"] = rows
+
+    # 2 + 3: engine-level step costs.
+    target = decoder.target
+    results["steps_ms"] = {
+        f"context={context},new={new}": 1e3 * step_times(target, context, new)
+        for context in (100, 1500)
+        for new in (1, 5, 6)
+    }
+    results["draft_steps_ms"] = {
+        f"context={context},new=1": 1e3 * step_times(decoder.drafter.engine, context, 1) for context in (100, 1500)
+    }
+    long_prompt = decoder.apply_chat_template(PASSAGE * 24 + "\n\nSummarise the passage.")
+    short_prompt = decoder.apply_chat_template(PASSAGE + "\n\nSummarise the passage.")
+    decode_rates = {}
+    for label, prompt in (("short", short_prompt), ("long", long_prompt)):
+        outs = [decoder.generate(prompt, greedy, num_draft_tokens=0) for _ in range(repeats)]
+        decode_rates[label] = {
+            "prompt_tokens": outs[0].stats.prompt_tokens,
+            "decode_tokens_per_s": statistics.median(
+                (o.stats.generated_tokens - 1) / (o.stats.total_s - o.stats.prefill_s) for o in outs
+            ),
+        }
+    decode_rates["long_vs_short"] = (
+        decode_rates["long"]["decode_tokens_per_s"] / decode_rates["short"]["decode_tokens_per_s"]
+    )
+    results["context"] = decode_rates
+
+    # 5: bandwidth.
+    bytes_per_token = weight_bytes_per_token(directory)
+    bandwidth = machine_read_bandwidth(cores)
+    achieved = bytes_per_token * decode_rates["short"]["decode_tokens_per_s"] / 1e9
+    results["bandwidth"] = {
+        "machine_read_GBps": bandwidth,
+        "weight_bytes_per_token": bytes_per_token,
+        "achieved_GBps": achieved,
+        "fraction": achieved / bandwidth,
+    }
+
+    _print_tables(results, gamma_list)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"\nwrote {out}")
+
+
+def _hf_generate(model, ids: list[int], max_new_tokens: int, cores: int) -> tuple[float, list[int]]:
+    """(seconds, generated ids) of transformers' greedy generate, with torch on every core."""
+    torch.set_num_threads(cores)
+    try:
+        inputs = torch.tensor([ids])
+        start = time.perf_counter()
+        out = model.generate(inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
+        return time.perf_counter() - start, out[0, len(ids) :].tolist()
+    finally:
+        torch.set_num_threads(1)  # what the ONNX Runtime engines run with
+
+
+def _environment(cores: int) -> dict:
+    return {
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cores": cores,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+def _print_tables(results: dict, gammas: list[int]) -> None:
+    print("\n| prompt | prompt tokens | ONNX plain tok/s | transformers tok/s | ONNX / transformers | same text |")
+    print("|---|---|---|---|---|---|")
+    for row in results["generation"]:
+        print(
+            f"| {row['prompt']} | {row['prompt_tokens']} | {row['plain_tokens_per_s']:.1f} "
+            f"| {row['hf_tokens_per_s']:.1f} | {row['plain_vs_hf']:.2f}x "
+            f"| {row['same_text_as_transformers_until_eos']} |"
+        )
+    print("\n| prompt | k | tok/s | speedup | acceptance | tau | c | ideal | measured/ideal |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in results["generation"]:
+        for gamma in gammas:
+            s = row["speculative"][gamma]
+            print(
+                f"| {row['prompt']} | {gamma} | {s['tokens_per_s']:.1f} | {s['speedup']:.2f}x "
+                f"| {s['acceptance_rate']:.2f} | {s['tau']:.2f} | {row['cost_ratio']:.2f} "
+                f"| {s['ideal_speedup']:.2f}x | {s['efficiency']:.2f} |"
+            )
+    steps = results["steps_ms"]
+    print("\n| context | target T=1 ms | T=5 ms | T=6 ms | T=5 / T=1 | draft T=1 ms |")
+    print("|---|---|---|---|---|---|")
+    for context in (100, 1500):
+        one, five, six = (steps[f"context={context},new={n}"] for n in (1, 5, 6))
+        draft = results["draft_steps_ms"][f"context={context},new=1"]
+        print(f"| {context} | {one:.1f} | {five:.1f} | {six:.1f} | {five / one:.2f} | {draft:.1f} |")
+    ctx = results["context"]
+    short, long = ctx["short"], ctx["long"]
+    print(
+        f"\ndecode tok/s after {short['prompt_tokens']} prompt tokens: {short['decode_tokens_per_s']:.1f}; "
+        f"after {long['prompt_tokens']}: {long['decode_tokens_per_s']:.1f} "
+        f"(ratio {ctx['long_vs_short']:.2f})"
+    )
+    bw = results["bandwidth"]
+    print(
+        f"bandwidth: {bw['weight_bytes_per_token'] / 1e6:.0f} MB of weights per token -> "
+        f"{bw['achieved_GBps']:.1f} GB/s of the machine's {bw['machine_read_GBps']:.1f} GB/s "
+        f"({100 * bw['fraction']:.0f}%)"
+    )
+
+
+if __name__ == "__main__":
+    main()

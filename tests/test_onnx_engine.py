@@ -1,0 +1,337 @@
+"""The ONNX Runtime engine against the PyTorch engine, and the decoder's guarantees on ONNX engines.
+
+Engine directories are built once for the module by ``specdec_trt.build.build`` (in fresh processes, see
+test_build.py): one per family (a tiny target with a draft that agrees often), an int4 self-draft, and a
+V=8 target/draft pair for the losslessness tests. ``OrtEngine`` must give the torch engine's logits to
+1e-4 through prefill, verify-shaped forwards on both of its internal paths, and per-row truncation;
+speculative greedy output must equal target-only greedy output token for token; sampled output must
+follow the target's exact distribution.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+from click.testing import CliRunner
+from conftest import FAMILIES
+from onnx import numpy_helper
+from test_build import SIZE, build_all
+from test_losslessness import PASS_P, REJECT_P, VOCAB, WARPINGS, chi_square_p, exact_joint, no_residual, pipeline_counts
+from transformers import AutoModelForCausalLM
+
+import specdec_trt.rejection
+from build_engines.checkpoint import load_checkpoint
+from build_engines.manifest import read_manifest
+from build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
+from runtime.ort_engine import PROVIDERS, OrtEngine, ProviderUnavailableError
+from runtime.torch_engine import TorchEngine
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build import BuildRequest
+from specdec_trt.cli import run
+from specdec_trt.drafting import ModelDrafter
+from specdec_trt.loading import load_engine_directory, model_spec
+
+ATOL = 1e-4
+MAX_DRAFT_LEN = 8
+VERIFY_WIDTH = MAX_DRAFT_LEN + 1
+MAX_CONTEXT = 64
+LOSSLESS_CONTEXT = 16  # prompt + 3 tokens + 3 drafts + slack: keeps the 24,000-row KV cache small
+LOSSLESS_DRAFTS = 3
+PROMPTS = ["hello world", "the quick brown fox", "a", "spec decoding is fun. spec"]
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)  # longest prompt + 24 + 8 drafts fit in 64
+# An independently initialised model of another family (same vocabulary): a draft that rarely agrees.
+# Llama and Mistral with one seed have the same weights, so each is paired with a Qwen model.
+STRANGER = {"llama": "qwen2", "mistral": "qwen3", "qwen2": "llama", "qwen3": "mistral"}
+
+
+def family_kwargs(family: str) -> dict:
+    return {"family": family, **SIZE}
+
+
+@pytest.fixture(scope="module")
+def engine_dirs(make_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Every engine directory of this module, built at once: one per family, "int4" and "lossless"."""
+    root = tmp_path_factory.mktemp("onnx_engines")
+    requests = {
+        family: BuildRequest(
+            out=root / family,
+            target=make_checkpoint(**family_kwargs(family)),
+            draft=make_checkpoint(draft_of=(family_kwargs(family), 0.05), seed=100),
+            max_draft_len=MAX_DRAFT_LEN,
+            max_context=MAX_CONTEXT,
+        )
+        for family in FAMILIES
+    }
+    requests["int4"] = BuildRequest(
+        out=root / "int4",
+        target=make_checkpoint(**family_kwargs("llama")),
+        draft="int4",
+        max_draft_len=MAX_DRAFT_LEN,
+        max_context=MAX_CONTEXT,
+    )
+    requests["lossless"] = BuildRequest(
+        out=root / "lossless",
+        target=make_checkpoint(with_tokenizer=False, vocab_size=VOCAB, seed=11, logit_scale=1.5, **SIZE),
+        draft=make_checkpoint(with_tokenizer=False, vocab_size=VOCAB, seed=12, logit_scale=1.5, **SIZE),
+        max_draft_len=LOSSLESS_DRAFTS,
+        max_context=LOSSLESS_CONTEXT,
+    )
+    build_all(*requests.values())
+    return {name: request.out for name, request in requests.items()}
+
+
+def target_engine(directory: Path) -> OrtEngine:
+    """A fresh ONNX Runtime engine over a directory's target graph."""
+    return OrtEngine(model_spec(directory, read_manifest(directory).target))
+
+
+# --- logits: OrtEngine against TorchEngine ----------------------------------------------------------------
+
+
+class Lockstep:
+    """An ONNX Runtime engine and the torch engine of the same checkpoint, driven together: every call
+    compares their logits and their cached lengths."""
+
+    def __init__(self, ours: OrtEngine, reference: TorchEngine, generator: torch.Generator) -> None:
+        self.ours, self.reference, self.generator = ours, reference, generator
+
+    def ids(self, batch: int, width: int) -> torch.Tensor:
+        return torch.randint(3, self.ours.vocab_size, (batch, width), generator=self.generator)
+
+    def prefill(self, lengths: list[int]) -> None:
+        """Right-padded prompts; the padding is random real tokens, so padding that leaks shows."""
+        ids, real = self.ids(len(lengths), max(lengths)), torch.tensor(lengths)
+        self.check(self.ours.prefill(ids, real), self.reference.prefill(ids, real), (len(lengths), self.vocab))
+
+    def forward(self, width: int) -> None:
+        ids = self.ids(len(self.ours.lengths), width)
+        self.check(self.ours.forward(ids), self.reference.forward(ids), (len(ids), width, self.vocab))
+
+    def truncate(self, lengths: list[int]) -> None:
+        self.ours.truncate(torch.tensor(lengths))
+        self.reference.truncate(torch.tensor(lengths))
+        assert self.ours.lengths.tolist() == lengths
+
+    @property
+    def vocab(self) -> int:
+        return self.ours.vocab_size
+
+    def check(self, ours: torch.Tensor, reference: torch.Tensor, shape: tuple[int, ...]) -> None:
+        assert ours.dtype == torch.float32 and ours.shape == shape
+        torch.testing.assert_close(ours, reference, atol=ATOL, rtol=0)
+        assert torch.equal(self.ours.lengths, self.reference.lengths)
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.mark.parametrize(
+    "batch",
+    [1, 3, 12],
+    ids=["B1", "B3-verify-row-by-row", "B12-verify-token-by-token"],
+)
+def test_logits_match_the_torch_engine(family: str, batch: int, engine_dirs: dict[str, Path], make_checkpoint) -> None:
+    """Prefill, T = 1, T = max_draft_len + 1, T = 2 and 3, per-row truncation, then speculative-style
+    rounds (verify 9, keep a different prefix per row). With B = 3 a 9-token verify runs row by row over
+    cache views; with B = 12 it runs one batched pass per token; T = 2, 3 with B = 3 take that path too."""
+    checkpoint = load_checkpoint(make_checkpoint(**family_kwargs(family)))
+    generator = torch.Generator().manual_seed(batch)
+    pair = Lockstep(target_engine(engine_dirs[family]), TorchEngine.from_checkpoint(checkpoint, MAX_CONTEXT), generator)
+    pair.prefill(torch.randint(1, 11, (batch,), generator=generator).tolist())
+    for width in (1, VERIFY_WIDTH, 2, 3):
+        pair.forward(width)
+    pair.truncate(torch.randint(1, 13, (batch,), generator=generator).tolist())
+    pair.forward(VERIFY_WIDTH)
+    pair.forward(1)
+    for _ in range(3):  # verify rounds: each row keeps its own number of accepted drafts plus one token
+        kept = pair.ours.lengths + 1 + torch.randint(0, MAX_DRAFT_LEN + 1, (batch,), generator=generator)
+        pair.forward(VERIFY_WIDTH)
+        pair.truncate(kept.tolist())
+    pair.forward(VERIFY_WIDTH)
+
+
+def test_second_prefill_starts_afresh(engine_dirs: dict[str, Path], make_checkpoint) -> None:
+    """A new batch of another size after a long one: no stale cache rows or lengths."""
+    checkpoint = load_checkpoint(make_checkpoint(**family_kwargs("qwen2")))
+    pair = Lockstep(
+        target_engine(engine_dirs["qwen2"]), TorchEngine.from_checkpoint(checkpoint, MAX_CONTEXT), torch.Generator()
+    )
+    pair.prefill([20, 3])
+    pair.forward(VERIFY_WIDTH)
+    for lengths in ([5, 2, 9], [4, 4, 1], [7]):
+        pair.prefill(lengths)
+        pair.forward(VERIFY_WIDTH)
+        pair.forward(2)
+
+
+# --- greedy: speculative == target-only on the same ONNX engines ------------------------------------------
+
+
+def decoder_for(kind: str, family: str, engine_dirs: dict[str, Path]) -> SpeculativeDecoder:
+    directory = engine_dirs[family]
+    if kind == "agrees_often":
+        return SpeculativeDecoder.from_engines(directory)
+    if kind == "ngram":
+        return SpeculativeDecoder.from_engines(directory, "ngram")
+    manifest, tokenizer, target, _ = load_engine_directory(directory, None)
+    stranger = ModelDrafter(target_engine(engine_dirs[STRANGER[family]]))
+    return SpeculativeDecoder(target, stranger, tokenizer, manifest.target.eos_token_ids)
+
+
+@pytest.mark.parametrize("kind", ["agrees_often", "agrees_rarely", "ngram"])
+def test_speculative_greedy_equals_target_only(family: str, kind: str, engine_dirs: dict[str, Path]) -> None:
+    decoder = decoder_for(kind, family, engine_dirs)
+    assert isinstance(decoder.target, OrtEngine)
+    baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
+    assert all(out.stats.drafted_tokens == 0 and len(out.token_ids) == GREEDY.max_new_tokens for out in baseline)
+    acceptance, drafted = [], 0
+    for gamma in range(1, MAX_DRAFT_LEN + 1):
+        batched = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=gamma)
+        drafted += sum(o.stats.drafted_tokens for o in batched)
+        for prompt, out, base in zip(PROMPTS, batched, baseline):
+            assert out.token_ids == base.token_ids, f"gamma={gamma} prompt={prompt!r} (batched)"
+            assert out.text == base.text
+        single = decoder.generate(PROMPTS[3], GREEDY, num_draft_tokens=gamma)
+        assert single.token_ids == baseline[3].token_ids, f"gamma={gamma} (alone)"
+        acceptance.append(sum(o.stats.acceptance_rate for o in batched) / len(batched))
+    if kind == "agrees_often":
+        assert acceptance[0] > 0.6, acceptance
+    if kind == "agrees_rarely":
+        assert acceptance[0] < 0.3, acceptance
+    assert drafted > 0
+
+
+def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str, Path], make_checkpoint) -> None:
+    onnx_out = SpeculativeDecoder.from_engines(engine_dirs[family], None).generate_batch(PROMPTS, GREEDY)
+    torch_decoder = SpeculativeDecoder.from_pretrained(
+        make_checkpoint(**family_kwargs(family)), None, max_context=MAX_CONTEXT
+    )
+    torch_out = torch_decoder.generate_batch(PROMPTS, GREEDY)
+    assert [o.token_ids for o in onnx_out] == [o.token_ids for o in torch_out]
+    assert [o.text for o in onnx_out] == [o.text for o in torch_out]
+
+
+def test_int4_self_draft_is_greedy_lossless(engine_dirs: dict[str, Path]) -> None:
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"])
+    baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
+    for gamma in range(1, MAX_DRAFT_LEN + 1):
+        batched = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=gamma)
+        assert [o.token_ids for o in batched] == [o.token_ids for o in baseline], f"gamma={gamma}"
+        single = decoder.generate(PROMPTS[0], GREEDY, num_draft_tokens=gamma)
+        assert single.token_ids == baseline[0].token_ids, f"gamma={gamma} (alone)"
+        drafted = sum(o.stats.drafted_tokens for o in batched)
+        accepted = sum(o.stats.accepted_tokens for o in batched)
+        assert drafted > 0 and 0 < accepted <= drafted, f"gamma={gamma}: the int4 draft should often agree"
+        assert all(0 <= o.stats.acceptance_rate <= 1 for o in batched)
+
+
+def test_int4_draft_graph_is_block_quantized(engine_dirs: dict[str, Path]) -> None:
+    directory = engine_dirs["int4"]
+    manifest = read_manifest(directory)
+    assert manifest.draft_kind == "int4" and manifest.draft.quantization == "int4-block32"
+    assert manifest.target.quantization == "none"
+    graphs = {
+        role: onnx.load(directory / role / "model.onnx", load_external_data=False).graph for role in ("target", "draft")
+    }
+    ops = {role: Counter(node.op_type for node in graph.node) for role, graph in graphs.items()}
+    assert ops["draft"]["MatMulNBits"] == ops["target"]["MatMul"] > 0, ops
+    assert float_matmul_weights(graphs["draft"]) == []
+    assert len(float_matmul_weights(graphs["target"])) == ops["target"]["MatMul"], "the check must see float weights"
+    for node in graphs["draft"].node:
+        if node.op_type == "MatMulNBits":
+            attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attributes["bits"] == 4 and attributes["block_size"] == 32
+    sizes = {role: (directory / role / "model.onnx.data").stat().st_size for role in ("target", "draft")}
+    assert sizes["draft"] < sizes["target"] / 2, sizes
+
+
+def float_matmul_weights(graph: onnx.GraphProto) -> list[str]:
+    """Float initializers consumed by a plain MatMul or Gemm."""
+    floats = {i.name for i in graph.initializer if i.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+    return [name for node in graph.node if node.op_type in ("MatMul", "Gemm") for name in node.input if name in floats]
+
+
+# --- graph layout -------------------------------------------------------------------------------------------
+
+
+def test_target_graph_layout(family: str, engine_dirs: dict[str, Path]) -> None:
+    """GroupQueryAttention per layer, past/present caches of one shape (one shared buffer can be bound as
+    both), and every weight in one external data file beside the graph."""
+    directory = engine_dirs[family]
+    entry = read_manifest(directory).target
+    graph_path = directory / entry.graph
+    graph = onnx.load(graph_path, load_external_data=False).graph
+    assert Counter(node.op_type for node in graph.node)["GroupQueryAttention"] == entry.num_layers
+
+    def shapes(values) -> dict[str, list]:
+        return {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim] for v in values}
+
+    inputs, outputs = shapes(graph.input), shapes(graph.output)
+    cache = ["batch", entry.num_kv_heads, entry.max_context, entry.head_dim]
+    for i in range(entry.num_layers):
+        for kind in ("key", "value"):
+            assert inputs[f"past_{kind}.{i}"] == outputs[f"present_{kind}.{i}"] == cache
+    assert inputs["input_ids"] == ["batch", "new_tokens"]
+    assert outputs["logits"] == ["batch", "logit_positions", entry.vocab_size]
+    data = graph_path.with_name(graph_path.name + EXTERNAL_DATA_SUFFIX)
+    assert data.is_file() and data.stat().st_size > graph_path.stat().st_size
+    external = [i for i in graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]
+    assert {e.value for i in external for e in i.external_data if e.key == "location"} == {data.name}
+    inline = [i for i in graph.initializer if i.data_location != onnx.TensorProto.EXTERNAL]
+    assert all(numpy_helper.to_array(i).nbytes < 1024 for i in inline), "weights should live in the data file"
+
+
+# --- losslessness on ONNX engines -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lossless(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, torch.nn.Module]:
+    """The V=8 engines as a decoder, and transformers' own model of the same target checkpoint."""
+    directory = engine_dirs["lossless"]
+    decoder = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
+    assert isinstance(decoder.target, OrtEngine) and isinstance(decoder.drafter.engine, OrtEngine)
+    reference = AutoModelForCausalLM.from_pretrained(read_manifest(directory).target.source).eval()
+    return decoder, reference
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "min_p"])
+def test_model_draft_is_lossless(name: str, lossless: tuple) -> None:
+    decoder, reference = lossless
+    counts, outputs = pipeline_counts(decoder, WARPINGS[name], gamma=LOSSLESS_DRAFTS)
+    assert sum(o.stats.accepted_tokens for o in outputs) > 0
+    assert chi_square_p(counts, exact_joint(reference, WARPINGS[name])) > PASS_P
+
+
+def test_missing_residual_is_caught(lossless: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoder, reference = lossless
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    counts, _ = pipeline_counts(decoder, WARPINGS["temperature"], gamma=LOSSLESS_DRAFTS)
+    assert chi_square_p(counts, exact_joint(reference, WARPINGS["temperature"])) < REJECT_P
+
+
+# --- providers ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("provider", ["cuda", "tensorrt"])
+def test_unavailable_provider_names_the_package(provider: str, engine_dirs: dict[str, Path]) -> None:
+    if PROVIDERS[provider][0] in ort.get_available_providers():
+        pytest.skip(f"{PROVIDERS[provider][0]} is available here")
+    with pytest.raises(ProviderUnavailableError, match="onnxruntime-gpu") as caught:
+        SpeculativeDecoder.from_engines(engine_dirs["llama"], provider=provider)
+    assert PROVIDERS[provider][0] in str(caught.value)
+    result = CliRunner().invoke(run, ["--engines", str(engine_dirs["llama"]), "--provider", provider, "hello"])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "Error:" in result.output and "onnxruntime-gpu" in result.output
+
+
+def test_unknown_provider_lists_the_choices(engine_dirs: dict[str, Path]) -> None:
+    spec = model_spec(engine_dirs["llama"], read_manifest(engine_dirs["llama"]).target)
+    with pytest.raises(ProviderUnavailableError, match="choose one of cpu, cuda, tensorrt"):
+        OrtEngine(spec, provider="rocm")
