@@ -259,11 +259,11 @@ class SpeculativeDecoder:
         for request, token in zip(requests, first):
             request.stats.prefill_s = prefill_s
             request.extend([token])
+        yield requests  # the first token streams before the draft's own prefill
         if gamma:
             self.drafter.begin(prompts, lengths)
-        draft_s = time.perf_counter() - start - prefill_s
-        yield requests
-        verify_s = 0.0
+        draft_prefill_s = time.perf_counter() - start - prefill_s
+        draft_s = verify_s = 0.0
         while not all(r.finished for r in requests):
             # Finished rows stay in the batch, frozen: they re-run the same positions and are ignored.
             num_drafts = min(gamma, max(r.remaining for r in requests if not r.finished) - 1)
@@ -285,7 +285,13 @@ class SpeculativeDecoder:
             yield requests
         total_s = time.perf_counter() - start
         for request in requests:
-            request.stats.draft_s, request.stats.verify_s, request.stats.total_s = draft_s, verify_s, total_s
+            stats = request.stats
+            stats.draft_prefill_s, stats.draft_s, stats.verify_s, stats.total_s = (
+                draft_prefill_s,
+                draft_s,
+                verify_s,
+                total_s,
+            )
 
     def _draft(self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler) -> Draft:
         if num_drafts <= 0:

@@ -12,7 +12,9 @@ class GenerationStats:
 
     A *round* is one verify pass of the target. ``accepted_per_position[i]`` counts rounds whose draft at
     position i was accepted, ``drafted_per_position[i]`` rounds that drafted a token at position i.
-    Times are wall-clock seconds of the whole batch the request ran in.
+    Times are wall-clock seconds of the whole batch the request ran in: ``prefill_s`` is the target's
+    prefill up to the first token (time to first token), ``draft_prefill_s`` the draft's own prefill, and
+    ``draft_s`` / ``verify_s`` the rounds' drafting and verify (plus acceptance) time.
     """
 
     prompt_tokens: int = 0
@@ -23,6 +25,7 @@ class GenerationStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     prefill_s: float = 0.0
+    draft_prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0

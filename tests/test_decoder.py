@@ -125,7 +125,8 @@ def test_stats_are_consistent(decoder: SpeculativeDecoder) -> None:
     assert 0 < stats.acceptance_rate <= 1
     assert stats.mean_accepted_tokens == pytest.approx(1 + stats.accepted_tokens / stats.rounds)
     assert stats.accepted_per_position == sorted(stats.accepted_per_position, reverse=True)
-    assert stats.total_s >= stats.prefill_s + stats.verify_s > 0
+    assert stats.total_s >= stats.prefill_s + stats.draft_prefill_s + stats.draft_s + stats.verify_s > 0
+    assert stats.draft_prefill_s > 0 and stats.draft_s > 0
     assert stats.tokens_per_s == pytest.approx(24 / stats.total_s)
 
 
