@@ -76,6 +76,11 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Che
     return Checkpoint(path, config, state_dict, load_tokenizer(path))
 
 
+def read_header(path: str | Path) -> Checkpoint:
+    """A checkpoint's architecture and tokenizer without its weights (``state_dict`` is empty)."""
+    return Checkpoint(Path(path).expanduser(), read_config(path), {}, load_tokenizer(path))
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """The architecture of a checkpoint directory or ``.gguf`` file, validated, without reading weights."""
     path = Path(path).expanduser()

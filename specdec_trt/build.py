@@ -19,13 +19,13 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, load_tokenizer, read_config
+from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, read_header
 from build_engines.manifest import Manifest, ModelEntry, write_manifest
 from build_engines.model import CompactDecoder, ModelConfig
 from build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
 from runtime.ort_engine import OrtEngine, session_options
 from runtime.torch_engine import TorchEngine
-from specdec_trt.loading import VocabularyMismatchError, model_spec
+from specdec_trt.loading import check_same_vocabulary, model_spec
 
 STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
@@ -67,7 +67,8 @@ def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | Non
         raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(DTYPES)}")
     if request.out.exists() and any(request.out.iterdir()) and not request.force:
         raise BuildError(f"{request.out} exists and is not empty: choose another --out or pass --force to replace it")
-    target = read_config(_target_path(request))
+    target_header = read_header(_target_path(request))
+    target = target_header.config
     check_exportable(target)
     if not 1 <= request.max_draft_len <= MAX_DRAFT_LEN_LIMIT:
         raise BuildError(f"--max-draft-len must be in [1, {MAX_DRAFT_LEN_LIMIT}], got {request.max_draft_len}")
@@ -79,16 +80,10 @@ def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | Non
         )
     draft = None
     if str(request.draft) not in (DRAFT_INT4, DRAFT_NONE):
-        draft = read_config(request.draft)
+        draft_header = read_header(request.draft)
+        draft = draft_header.config
         check_exportable(draft)
-        if draft.vocab_size != target.vocab_size:
-            raise VocabularyMismatchError(
-                f"the draft {request.draft} has {draft.vocab_size} token ids but the target has {target.vocab_size}: "
-                "pick a draft trained with the target's tokenizer"
-            )
-        target_vocab, draft_vocab = load_tokenizer(_target_path(request)), load_tokenizer(request.draft)
-        if target_vocab is not None and draft_vocab is not None and target_vocab.get_vocab() != draft_vocab.get_vocab():
-            raise VocabularyMismatchError(f"the draft {request.draft} and the target have different tokenizers")
+        check_same_vocabulary(target_header, draft_header)
         if request.max_context > draft.max_context:
             raise BuildError(
                 f"--max-context {request.max_context} exceeds what the draft supports ({draft.max_context})"

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, load_tokenizer
+from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, load_tokenizer, read_header
 from build_engines.manifest import Manifest, ModelEntry, read_manifest
 from runtime.ort_engine import OrtEngine, OrtModelSpec
 from runtime.torch_engine import TorchEngine
@@ -58,15 +58,13 @@ def load_engines(
     """Load the target (the embedded default model when None) and the drafter: None or "none" for plain
     decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file."""
     device = usable_device(device)
-    target_ck = load_checkpoint(target if target is not None else default_model_path(), dtype)
-    drafter: Drafter | None = None
-    draft_ck = None
-    if draft is not None and str(draft) not in DRAFT_NONE:
-        if str(draft) == DRAFT_NGRAM:
-            drafter = PromptLookupDrafter(device=device)
-        else:
-            draft_ck = load_checkpoint(draft, dtype)
-            check_same_vocabulary(target_ck, draft_ck)
+    target_path = target if target is not None else default_model_path()
+    draft_model = draft is not None and str(draft) not in (*DRAFT_NONE, DRAFT_NGRAM)
+    if draft_model:  # refuse a mismatched draft before reading any weights
+        check_same_vocabulary(read_header(target_path), read_header(draft))
+    target_ck = load_checkpoint(target_path, dtype)
+    draft_ck = load_checkpoint(draft, dtype) if draft_model else None
+    drafter: Drafter | None = PromptLookupDrafter(device=device) if str(draft) == DRAFT_NGRAM else None
     target_engine = TorchEngine.from_checkpoint(target_ck, max_context, device)
     if draft_ck is not None:
         draft_context = min(target_engine.max_context, draft_ck.config.max_context)
