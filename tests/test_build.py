@@ -1,10 +1,9 @@
 """``specdec-build`` and the ``build()`` API behind it: refusals before any work, the engine directory it
 writes, ``specdec-run --engines`` on the result, and no partial directory after a failed build.
 
-Successful builds run in fresh Python processes (``start_build``): ONNX Runtime's process-wide thread
-pool, set up by the first engine a process opens (the build's own verify stage opens one), makes every
-later build in that process fail (``test_two_builds_in_one_process``, a known bug). The other test files
-import ``build_all`` from here.
+Most builds run in fresh Python processes (``start_build``), several at once, which also keeps each
+failure-injection run isolated; ``test_two_builds_in_one_process`` guards in-process builds. The other
+test files import ``build_all`` from here.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from conftest import CHARS, build_model, char_tokenizer
 from build_engines.checkpoint import CheckpointError
 from build_engines.manifest import MANIFEST_NAME, read_manifest
 from build_engines.onnx_export import ExportError
+from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import STAGES, BuildError, BuildRequest, build, check_request
 from specdec_trt.cli import build_command, run
 from specdec_trt.loading import VocabularyMismatchError
@@ -333,7 +333,7 @@ def test_failed_build_leaves_no_partial_directory(checkpoints: Checkpoints, tmp_
     assert not fresh.out.exists()
 
 
-# --- known bugs ---------------------------------------------------------------------------------------------
+# --- regressions of bugs found by these tests -----------------------------------------------------------------
 
 
 def test_two_builds_in_one_process(checkpoints: Checkpoints, tmp_path: Path) -> None:
@@ -349,3 +349,20 @@ def test_every_accepted_context_builds(checkpoints: Checkpoints, tmp_path: Path)
     result = finish_build(start_build(request))
     assert result.returncode == 0, result.stderr[-3000:]
     assert read_manifest(request.out).target.max_context == 16
+
+
+def test_float16_build_decodes_like_float32(checkpoints: Checkpoints, tmp_path: Path) -> None:
+    """A float16 build (weights and KV cache in float16, logits float32) verifies, records its dtype, and on
+    this tiny model decodes the float32 torch engine's greedy tokens, plain and with its int4 draft."""
+    out = tmp_path / "fp16"
+    build(
+        BuildRequest(
+            out=out, target=checkpoints.target, draft="int4", max_draft_len=4, max_context=MAX_CONTEXT, dtype="float16"
+        )
+    )
+    assert read_manifest(out).target.dtype == "float16"
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    reference = SpeculativeDecoder.from_pretrained(checkpoints.target, None).generate("hello world", params)
+    decoder = SpeculativeDecoder.from_engines(out)
+    for gamma in (0, 3):
+        assert decoder.generate("hello world", params, num_draft_tokens=gamma).token_ids == reference.token_ids
