@@ -21,6 +21,7 @@ from click.testing import CliRunner
 from conftest import FAMILIES
 from onnx import numpy_helper
 from test_build import SIZE, build_all
+from test_greedy_equivalence import assert_greedy_lossless
 from test_losslessness import PASS_P, REJECT_P, VOCAB, WARPINGS, chi_square_p, exact_joint, no_residual, pipeline_counts
 from transformers import AutoModelForCausalLM
 
@@ -189,23 +190,7 @@ def decoder_for(kind: str, family: str, engine_dirs: dict[str, Path]) -> Specula
 def test_speculative_greedy_equals_target_only(family: str, kind: str, engine_dirs: dict[str, Path]) -> None:
     decoder = decoder_for(kind, family, engine_dirs)
     assert isinstance(decoder.target, OrtEngine)
-    baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
-    assert all(out.stats.drafted_tokens == 0 and len(out.token_ids) == GREEDY.max_new_tokens for out in baseline)
-    acceptance, drafted = [], 0
-    for gamma in range(1, MAX_DRAFT_LEN + 1):
-        batched = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=gamma)
-        drafted += sum(o.stats.drafted_tokens for o in batched)
-        for prompt, out, base in zip(PROMPTS, batched, baseline):
-            assert out.token_ids == base.token_ids, f"gamma={gamma} prompt={prompt!r} (batched)"
-            assert out.text == base.text
-        single = decoder.generate(PROMPTS[3], GREEDY, num_draft_tokens=gamma)
-        assert single.token_ids == baseline[3].token_ids, f"gamma={gamma} (alone)"
-        acceptance.append(sum(o.stats.acceptance_rate for o in batched) / len(batched))
-    if kind == "agrees_often":
-        assert acceptance[0] > 0.6, acceptance
-    if kind == "agrees_rarely":
-        assert acceptance[0] < 0.3, acceptance
-    assert drafted > 0
+    assert assert_greedy_lossless(decoder, kind, PROMPTS, GREEDY, MAX_DRAFT_LEN) > 0
 
 
 def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str, Path], make_checkpoint) -> None:
