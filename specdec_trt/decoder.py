@@ -260,9 +260,10 @@ class SpeculativeDecoder:
             request.stats.prefill_s = prefill_s
             request.extend([token])
         yield requests  # the first token streams before the draft's own prefill
+        tick = time.perf_counter()  # not `start`: the consumer of the first token may have paused us
         if gamma:
             self.drafter.begin(prompts, lengths)
-        draft_prefill_s = time.perf_counter() - start - prefill_s
+        draft_prefill_s = time.perf_counter() - tick
         draft_s = verify_s = 0.0
         while not all(r.finished for r in requests):
             # Finished rows stay in the batch, frozen: they re-run the same positions and are ignored.
