@@ -107,15 +107,31 @@ class OrtEngine:
         batch, width = token_ids.shape
         check_room(torch.tensor([width]), 0, self.max_context)
         check_prompt_lengths(lengths, batch, width)
-        if not self._caches or next(iter(self._caches.values())).shape[0] != batch:
-            shape = (batch, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
-            self._caches = {name: np.zeros(shape, _NUMPY_DTYPES[self.spec.dtype]) for name in self._cache_names}
-            self._values = {name: ort.OrtValue.ortvalue_from_numpy(buffer) for name, buffer in self._caches.items()}
+        self._allocate(batch)
         real = lengths.numpy().astype(np.int64)
         # An empty past: total length == new tokens, so GroupQueryAttention treats this as a first prompt.
         logits = self._run(token_ids.numpy(), (real - 1)[:, None], real - 1, width, self._values)
         self._lengths = real.copy()
         return torch.from_numpy(logits[:, 0])
+
+    def adopt_prompt_cache(self, source: OrtEngine) -> None:
+        """Start a batch from another engine's cache instead of a prefill: copy the keys and values of its
+        cached prompts. For a self-draft (the target quantized), whose caches have the target's layout:
+        its own pass over the prompt would cost more than the target's, and it then drafts on the
+        target's keys and values (drafts are verified, so only the acceptance rate can change)."""
+        if source._cache_names != self._cache_names or source.spec.dtype != self.spec.dtype:
+            raise ValueError("adopt_prompt_cache needs an engine with the same cache layout (a self-draft)")
+        if not source._caches:
+            raise RuntimeError("the source engine has no cached prompt: prefill it first")
+        batch, heads, _, dim = next(iter(source._caches.values())).shape
+        if (heads, dim) != (self.spec.num_kv_heads, self.spec.head_dim):
+            raise ValueError("adopt_prompt_cache needs an engine with the same cache layout (a self-draft)")
+        check_room(torch.from_numpy(source._lengths), 0, self.max_context)
+        width = int(source._lengths.max())
+        self._allocate(batch)
+        for name, cache in self._caches.items():
+            cache[:, :, :width] = source._caches[name][:, :, :width]
+        self._lengths = source._lengths.copy()
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if not self._caches:
@@ -142,6 +158,13 @@ class OrtEngine:
     def close(self) -> None:
         self._caches, self._values = {}, {}
         self._lengths = np.zeros(0, dtype=np.int64)
+
+    def _allocate(self, batch: int) -> None:
+        """The KV buffers for a batch of ``batch`` rows, kept from the last batch when it had as many."""
+        if not self._caches or next(iter(self._caches.values())).shape[0] != batch:
+            shape = (batch, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
+            self._caches = {name: np.zeros(shape, _NUMPY_DTYPES[self.spec.dtype]) for name in self._cache_names}
+            self._values = {name: ort.OrtValue.ortvalue_from_numpy(buffer) for name, buffer in self._caches.items()}
 
     def _step(self, ids: np.ndarray, cached: np.ndarray, caches: dict[str, ort.OrtValue]) -> np.ndarray:
         """Logits of every new token in ``ids`` [B, T] placed after ``cached`` [B] tokens."""

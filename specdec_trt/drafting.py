@@ -52,12 +52,18 @@ class ModelDrafter:
     keys and values at the same position, so one code path serves both cases with no branch per row.
     """
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, prompt_cache_from: Engine | None = None) -> None:
         self.engine = engine
+        self.prompt_cache_from = prompt_cache_from
         self.max_context: int | None = engine.max_context
 
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.engine.prefill(prompt_ids, lengths)
+        """Prefill the draft, or, with ``prompt_cache_from`` (a self-draft sharing the target's cache
+        layout), copy the target's cached prompt, which the decoder has prefilled already."""
+        if self.prompt_cache_from is not None:
+            self.engine.adopt_prompt_cache(self.prompt_cache_from)
+        else:
+            self.engine.prefill(prompt_ids, lengths)
 
     def propose(self, sequences: Sequence[Sequence[int]], num_tokens: int, sampler: BatchSampler) -> Draft:
         lengths = torch.tensor([len(s) for s in sequences])

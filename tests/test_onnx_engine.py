@@ -11,6 +11,7 @@ follow the target's exact distribution.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import onnx
@@ -82,6 +83,7 @@ def engine_dirs(make_checkpoint, tmp_path_factory: pytest.TempPathFactory) -> di
         max_draft_len=LOSSLESS_DRAFTS,
         max_context=LOSSLESS_CONTEXT,
     )
+    requests["lossless_int4"] = replace(requests["lossless"], out=root / "lossless_int4", draft="int4")
     build_all(*requests.values())
     return {name: request.out for name, request in requests.items()}
 
@@ -158,6 +160,32 @@ def test_logits_match_the_torch_engine(family: str, batch: int, engine_dirs: dic
     pair.forward(VERIFY_WIDTH)
 
 
+def test_adopted_prompt_cache_continues_like_its_source(engine_dirs: dict[str, Path]) -> None:
+    """An engine that adopts another's prompt cache (here over the same graph) then computes exactly what
+    the source computes, on a ragged batch, after a previous batch of another size."""
+    source, adopter = target_engine(engine_dirs["llama"]), target_engine(engine_dirs["llama"])
+    generator = torch.Generator().manual_seed(0)
+    adopter.prefill(torch.randint(3, source.vocab_size, (1, 30), generator=generator), torch.tensor([30]))
+    source.prefill(torch.randint(3, source.vocab_size, (3, 9), generator=generator), torch.tensor([5, 2, 9]))
+    adopter.adopt_prompt_cache(source)
+    assert adopter.lengths.tolist() == [5, 2, 9]
+    for width in (VERIFY_WIDTH, 1):
+        ids = torch.randint(3, source.vocab_size, (3, width), generator=generator)
+        torch.testing.assert_close(adopter.forward(ids), source.forward(ids), atol=1e-6, rtol=0)
+
+
+def test_adopt_prompt_cache_refuses_another_layout_or_an_empty_source(engine_dirs: dict[str, Path]) -> None:
+    directory = engine_dirs["llama"]
+    source = target_engine(directory)
+    with pytest.raises(RuntimeError, match="no cached prompt"):
+        target_engine(directory).adopt_prompt_cache(source)
+    source.prefill(torch.tensor([[3, 4, 5]]), torch.tensor([3]))
+    spec = model_spec(directory, read_manifest(directory).target)
+    other = OrtEngine(replace(spec, num_kv_heads=spec.num_kv_heads * 2))
+    with pytest.raises(ValueError, match="same cache layout"):
+        other.adopt_prompt_cache(source)
+
+
 def test_second_prefill_starts_afresh(engine_dirs: dict[str, Path], make_checkpoint) -> None:
     """A new batch of another size after a long one: no stale cache rows or lengths."""
     checkpoint = load_checkpoint(make_checkpoint(**family_kwargs("qwen2")))
@@ -205,6 +233,7 @@ def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str
 
 def test_int4_self_draft_is_greedy_lossless(engine_dirs: dict[str, Path]) -> None:
     decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"])
+    assert decoder.drafter.prompt_cache_from is decoder.target  # no draft prefill: the target's prompt cache
     baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
     for gamma in range(1, MAX_DRAFT_LEN + 1):
         batched = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=gamma)
@@ -276,26 +305,44 @@ def test_target_graph_layout(family: str, engine_dirs: dict[str, Path]) -> None:
 # --- losslessness on ONNX engines -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def lossless(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, torch.nn.Module]:
-    """The V=8 engines as a decoder, and transformers' own model of the same target checkpoint."""
-    directory = engine_dirs["lossless"]
+def lossless_pair(directory: Path) -> tuple[SpeculativeDecoder, torch.nn.Module]:
+    """V=8 engines as a decoder, and transformers' own model of the same target checkpoint."""
     decoder = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
     assert isinstance(decoder.target, OrtEngine) and isinstance(decoder.drafter.engine, OrtEngine)
     reference = AutoModelForCausalLM.from_pretrained(read_manifest(directory).target.source).eval()
     return decoder, reference
 
 
-@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "min_p"])
-def test_model_draft_is_lossless(name: str, lossless: tuple) -> None:
-    decoder, reference = lossless
+@pytest.fixture(scope="module")
+def lossless(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, torch.nn.Module]:
+    """A separate draft model's engine."""
+    return lossless_pair(engine_dirs["lossless"])
+
+
+@pytest.fixture(scope="module")
+def lossless_int4(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, torch.nn.Module]:
+    """The int4 self-draft, which starts every request from the target's prompt cache."""
+    decoder, reference = lossless_pair(engine_dirs["lossless_int4"])
+    assert decoder.drafter.prompt_cache_from is decoder.target
+    return decoder, reference
+
+
+@pytest.mark.parametrize(
+    ("pair", "name"),
+    [("lossless", name) for name in ("temperature", "top_k", "top_p", "min_p")]
+    + [("lossless_int4", name) for name in ("temperature", "top_p")],
+)
+def test_drafts_are_lossless(pair: str, name: str, request: pytest.FixtureRequest) -> None:
+    """A separate draft model, and the int4 self-draft started from the target's prompt cache."""
+    decoder, reference = request.getfixturevalue(pair)
     counts, outputs = pipeline_counts(decoder, WARPINGS[name], gamma=LOSSLESS_DRAFTS)
     assert sum(o.stats.accepted_tokens for o in outputs) > 0
     assert chi_square_p(counts, exact_joint(reference, WARPINGS[name])) > PASS_P
 
 
-def test_missing_residual_is_caught(lossless: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
-    decoder, reference = lossless
+@pytest.mark.parametrize("pair", ["lossless", "lossless_int4"])
+def test_missing_residual_is_caught(pair: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoder, reference = request.getfixturevalue(pair)
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
     counts, _ = pipeline_counts(decoder, WARPINGS["temperature"], gamma=LOSSLESS_DRAFTS)
     assert chi_square_p(counts, exact_joint(reference, WARPINGS["temperature"])) < REJECT_P
