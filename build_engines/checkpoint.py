@@ -19,6 +19,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PreTrainedModel,
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
@@ -172,10 +173,27 @@ def _read_json(file: Path, default: dict | None = None) -> dict:
     return content
 
 
-def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> Checkpoint:
+def load_transformers_model(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The checkpoint as a transformers causal LM (what ``generate`` and the benchmark's peers run).
+    The architecture is validated first; a directory's weights are read from safetensors only."""
+    path = Path(path).expanduser()
+    read_config(path)
+    if path.is_file():
+        return _gguf_model(path, dtype)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).eval()
+    except OSError as err:
+        raise CheckpointError(f"{path}: transformers cannot load its safetensors weights: {err}") from err
+
+
+def _gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    try:
+        return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
     except Exception as err:  # noqa: BLE001 - as above: truncated tensor data fails deep in the parser
         raise CheckpointError(f"{path}: cannot dequantize the GGUF weights: {err}") from err
+
+
+def _load_gguf(path: Path, config: ModelConfig, dtype: torch.dtype) -> Checkpoint:
+    model = _gguf_model(path, dtype)
     state_dict = {name: tensor.detach() for name, tensor in model.state_dict().items()}
     return Checkpoint(path, config, state_dict, load_tokenizer(path))

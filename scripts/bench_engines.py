@@ -17,18 +17,18 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import click
 import torch
-from transformers import AutoModelForCausalLM
 
-from build_engines.checkpoint import default_model_path
+from build_engines.checkpoint import default_model_path, load_transformers_model
 from build_engines.manifest import MANIFEST_NAME, read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.environment import environment
+from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
 from specdec_trt.build import PRESETS, BuildRequest, build, default_engine_dir
 from specdec_trt.stats import ideal_speedup
 
@@ -97,11 +97,10 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
         build(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]))
     decoder = SpeculativeDecoder.from_engines(directory)
     cores = os.cpu_count() or 1
-    path = default_model_path()
-    hf_model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    transformers = TransformersRunner(load_transformers_model(default_model_path()), {}, cores, decoder.eos_token_ids)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)
     gamma_list = [int(g) for g in gammas.split(",")]
-    results: dict = {"environment": _environment(cores), "max_new_tokens": max_new_tokens, "repeats": repeats}
+    results: dict = {"environment": environment("cpu", cores), "max_new_tokens": max_new_tokens, "repeats": repeats}
 
     # 1 + 4: plain vs transformers vs speculative, per prompt, alternating.
     rows = []
@@ -113,16 +112,14 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
         for _ in range(repeats):
             for gamma in [0, *gamma_list]:
                 runs.setdefault(f"k={gamma}", []).append(decoder.generate(prompt, greedy, num_draft_tokens=gamma))
-            runs.setdefault("hf", []).append(_hf_generate(hf_model, ids, max_new_tokens, cores))
+            runs.setdefault("hf", []).append(transformers.run(Method(TRANSFORMERS, None), ids, greedy))
         plain = runs["k=0"]
         assert all(r.token_ids == plain[0].token_ids for key, rs in runs.items() if key != "hf" for r in rs)
         plain_tps = statistics.median(r.stats.tokens_per_s for r in plain)
-        hf_tps = statistics.median(max_new_tokens / h[0] for h in runs["hf"])
-        ours = plain[0].token_ids
-        until_eos = next((i for i, t in enumerate(ours) if t in decoder.eos_token_ids), len(ours))
+        hf_tps = statistics.median(max_new_tokens / run.total_s for run, _ in runs["hf"])
         row = {"prompt": name, "prompt_tokens": len(ids), "plain_tokens_per_s": plain_tps, "hf_tokens_per_s": hf_tps}
         row["plain_vs_hf"] = plain_tps / hf_tps
-        row["same_text_as_transformers_until_eos"] = runs["hf"][0][1][:until_eos] == ours[:until_eos]
+        row["same_tokens_as_transformers"] = runs["hf"][0][1] == plain[0].token_ids
         # c: one draft step over one target step, on the engines, at the middle of this generation's context.
         middle = len(ids) + max_new_tokens // 2
         cost_ratio = step_times(decoder.drafter.engine, middle, 1) / step_times(decoder.target, middle, 1)
@@ -189,36 +186,14 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
     print(f"\nwrote {out}")
 
 
-def _hf_generate(model, ids: list[int], max_new_tokens: int, cores: int) -> tuple[float, list[int]]:
-    """(seconds, generated ids) of transformers' greedy generate, with torch on every core."""
-    torch.set_num_threads(cores)
-    try:
-        inputs = torch.tensor([ids])
-        start = time.perf_counter()
-        out = model.generate(inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False)
-        return time.perf_counter() - start, out[0, len(ids) :].tolist()
-    finally:
-        torch.set_num_threads(1)  # what the ONNX Runtime engines run with
-
-
-def _environment(cores: int) -> dict:
-    return {
-        "machine": platform.machine(),
-        "processor": platform.processor(),
-        "cores": cores,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
-
-
 def _print_tables(results: dict, gammas: list[int]) -> None:
-    print("\n| prompt | prompt tokens | ONNX plain tok/s | transformers tok/s | ONNX / transformers | same text |")
+    print("\n| prompt | prompt tokens | ONNX plain tok/s | transformers tok/s | ONNX / transformers | same tokens |")
     print("|---|---|---|---|---|---|")
     for row in results["generation"]:
         print(
             f"| {row['prompt']} | {row['prompt_tokens']} | {row['plain_tokens_per_s']:.1f} "
             f"| {row['hf_tokens_per_s']:.1f} | {row['plain_vs_hf']:.2f}x "
-            f"| {row['same_text_as_transformers_until_eos']} |"
+            f"| {row['same_tokens_as_transformers']} |"
         )
     print("\n| prompt | k | tok/s | speedup | acceptance | tau | c | ideal | measured/ideal |")
     print("|---|---|---|---|---|---|---|---|---|")

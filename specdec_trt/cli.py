@@ -23,14 +23,17 @@ _TORCH_ONLY = ("device", "dtype", "max_context")
 _ONNX_ONLY = ("provider", "threads")
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.argument("prompt", required=False)
-@click.option(
+engines_option = click.option(
     "--engines",
     type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="Engine directory built by specdec-build, run on ONNX Runtime. With neither --engines nor "
     "--target: the default engines (SmolLM2-135M-Instruct with its int4 self-draft), built on first use.",
 )
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.argument("prompt", required=False)
+@engines_option
 @click.option(
     "--target",
     type=click.Path(exists=True, path_type=Path),
@@ -111,7 +114,7 @@ def run(
       specdec-run --target ./llama-1b --draft ./llama-160m "Once upon a time"
     """
     options = {"provider": provider, "threads": threads, "device": device, "dtype": dtype, "max_context": max_context}
-    _check_backend_options(engines, target, options)
+    check_backend_options(engines, target, options)
     err = Console(stderr=True)
     text = _read_prompt(prompt)
     try:
@@ -125,7 +128,7 @@ def run(
             stop=stop,
         )
         if target is None and engines is None:
-            engines = _default_engines(err)
+            engines = default_engines(err)
         with err.status("Loading models…"):
             if target is not None:
                 decoder = SpeculativeDecoder.from_pretrained(
@@ -224,18 +227,18 @@ def build_command(
     err.print(f"[green]Built[/green] {out}: target {target_mb:.0f} MB, draft ({manifest.draft_kind}) {draft_mb:.0f} MB")
 
 
-def _check_backend_options(engines: Path | None, target: Path | None, options: dict) -> None:
+def check_backend_options(engines: Path | None, target: Path | None, options: dict) -> None:
     """Options that belong to the other backend are an error, not silently ignored."""
     if engines is not None and target is not None:
         raise click.UsageError("--engines and --target are alternatives: give one")
     wrong = _ONNX_ONLY if target is not None else _TORCH_ONLY
-    given = [f"--{name.replace('_', '-')}" for name in wrong if options[name] is not None]
+    given = [f"--{name.replace('_', '-')}" for name in wrong if options.get(name) is not None]
     if given:
         backend = "the PyTorch engine (--target)" if target is not None else "ONNX Runtime engines"
         raise click.UsageError(f"{', '.join(given)} do not apply to {backend}")
 
 
-def _default_engines(err: Console) -> Path:
+def default_engines(err: Console) -> Path:
     """The default engines, built into the cache directory on first use."""
     directory = default_engine_dir()
     if not (directory / MANIFEST_NAME).is_file():

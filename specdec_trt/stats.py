@@ -84,7 +84,7 @@ class GenerationStats:
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
 
-def ideal_speedup(tau: float, gamma: int, cost_ratio: float) -> float:
+def ideal_speedup(tau: float, gamma: float, cost_ratio: float) -> float:
     """Speedup over plain decoding when a round costs gamma draft steps of relative cost c plus one target
     step and yields tau tokens: tau / (gamma c + 1) (Leviathan et al. 2023)."""
     return tau / (gamma * cost_ratio + 1)

@@ -1,0 +1,1 @@
+"""specdec-bench: speculative decoding measured side by side with plain decoding and transformers."""

@@ -1,0 +1,283 @@
+"""``specdec-bench``: speculative decoding side by side with plain decoding and transformers, on prompt suites."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+import click
+import transformers
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from build_engines.checkpoint import default_model_path
+from runtime.ort_engine import PROVIDERS
+from specdec_trt.bench.backends import Backend, open_checkpoints, open_engines, open_transformers
+from specdec_trt.bench.environment import environment
+from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
+from specdec_trt.bench.methods import NGRAM, OURS, TRANSFORMERS, Method
+from specdec_trt.bench.plots import write_plots
+from specdec_trt.bench.report import benchmarks_document, markdown_tables
+from specdec_trt.bench.suites import SUITES, Suite, load_suite
+from specdec_trt.bench.summary import summarise
+from specdec_trt.cli import DTYPES, check_backend_options, default_engines, engines_option
+from specdec_trt.loading import DRAFT_FROM_ENGINES
+
+
+def _numbers(kind: type, minimum: float):
+    """A click callback parsing a comma-separated list of numbers >= minimum."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple | None:
+        if value is None:
+            return None
+        try:
+            numbers = tuple(kind(item) for item in value.split(",") if item.strip())
+        except ValueError as err:
+            raise click.BadParameter(f"{value!r} is not a comma-separated list of {kind.__name__}s") from err
+        if not numbers or any(n < minimum for n in numbers):
+            raise click.BadParameter(f"{value!r}: give one or more values, each >= {minimum}")
+        return tuple(dict.fromkeys(numbers))
+
+    return parse
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@engines_option
+@click.option(
+    "--target",
+    type=click.Path(exists=True, path_type=Path),
+    help="Target checkpoint (directory or .gguf) on the PyTorch engine, on --device.",
+)
+@click.option(
+    "--draft",
+    "drafts",
+    multiple=True,
+    help="A draft to measure (repeatable): 'ngram' (prompt lookup); with engines 'int4' or 'engine' (the "
+    "directory's own draft) or another engine directory; with --target a draft checkpoint. "
+    "[default: the engines' own draft and ngram; with --target, ngram]",
+)
+@click.option(
+    "--suite",
+    "suites",
+    multiple=True,
+    help=f"Prompt suite (repeatable): {', '.join(SUITES)}, or a JSONL file of {{id, prompt, chat}}. [default: all]",
+)
+@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts of each suite.")
+@click.option(
+    "--num-draft-tokens",
+    "-k",
+    "gammas",
+    default="1,2,3,4,6,8",
+    callback=_numbers(int, 1),
+    help="Draft lengths (gamma) to sweep, comma-separated.",
+)
+@click.option(
+    "--peer-num-draft-tokens",
+    "peer_gammas",
+    callback=_numbers(int, 1),
+    help="Draft lengths for transformers' assisted generation and prompt lookup. [default: --num-draft-tokens]",
+)
+@click.option(
+    "--temperature",
+    "-t",
+    "temperatures",
+    default="0",
+    callback=_numbers(float, 0),
+    help="Sampling temperatures, comma-separated; 0 is greedy.",
+)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=128)
+@click.option("--repeats", type=click.IntRange(min=1), default=3, help="Timed runs per prompt and method.")
+@click.option("--warmup/--no-warmup", default=True, help="Run every method once before timing each suite.")
+@click.option(
+    "--ignore-eos/--stop-at-eos",
+    default=True,
+    help="Generate exactly --max-new-tokens with every method (EOS ignored), or stop at EOS.",
+)
+@click.option("--seed", type=click.IntRange(min=0), default=0, help="Base seed of sampled requests.")
+@click.option(
+    "--peers/--no-peers", default=True, help="Also time transformers' generate and assisted generation, same weights."
+)
+@click.option(
+    "--hf-target",
+    type=click.Path(exists=True, path_type=Path),
+    help="Checkpoint for transformers' peers. [default: the checkpoint the target was built from]",
+)
+@click.option("--provider", type=click.Choice(sorted(PROVIDERS)), help="ONNX Runtime provider. [default: cpu]")
+@click.option("--threads", type=click.IntRange(min=1), help="Threads for every method. [default: one per core]")
+@click.option("--device", help="torch device for --target and transformers: cpu, cuda, ... [default: cpu]")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Weight dtype with --target. [default: float32]")
+@click.option("--max-context", type=click.IntRange(min=8), help="KV cache positions with --target.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("results/bench.json"))
+@click.option("--plots-dir", type=click.Path(file_okay=False, path_type=Path), help="[default: beside --out]")
+@click.option(
+    "--from-json",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Measure nothing: render the tables, plots and --markdown again from the JSON of an earlier run "
+    "(every measuring option is then unused).",
+)
+@click.option(
+    "--markdown",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the benchmarks document (e.g. docs/BENCHMARKS.md) from this run.",
+)
+def bench(
+    engines: Path | None,
+    target: Path | None,
+    drafts: tuple[str, ...],
+    suites: tuple[str, ...],
+    limit: int | None,
+    gammas: tuple[int, ...],
+    peer_gammas: tuple[int, ...] | None,
+    temperatures: tuple[float, ...],
+    max_new_tokens: int,
+    repeats: int,
+    warmup: bool,
+    ignore_eos: bool,
+    seed: int,
+    peers: bool,
+    hf_target: Path | None,
+    provider: str | None,
+    threads: int | None,
+    device: str | None,
+    dtype: str | None,
+    max_context: int | None,
+    out: Path,
+    plots_dir: Path | None,
+    from_json: Path | None,
+    markdown: Path | None,
+) -> None:
+    """Time plain decoding, speculative decoding with each draft and gamma, and transformers' generate and
+    assisted generation, side by side in one process on prompt suites. Prints markdown tables, writes
+    every raw figure to --out (valid JSON even after Ctrl-C) and PNG plots.
+
+    \b
+    Examples:
+      specdec-bench --suite code --suite summarisation --limit 5
+      specdec-bench --draft int4 --draft ngram -k 1,2,4,8 -t 0,0.8 --out results/sweep.json
+      specdec-bench --target model.gguf --device cuda --draft ngram
+      specdec-bench --from-json results/bench.json --markdown docs/BENCHMARKS.md
+    """
+    err = Console(stderr=True)
+    if from_json is not None:
+        data = json.loads(from_json.read_text())
+        methods = [Method(m["family"], m["draft"], m["num_draft_tokens"]) for m in data["methods"]]
+        data["summary"] = summarise(data["runs"], methods)
+        _write_outputs(data, plots_dir or from_json.with_name(from_json.stem + "-plots"), markdown, err)
+        return
+    if device is not None and engines is None and target is None:
+        target = default_model_path()  # a torch device means the PyTorch engine
+    check_backend_options(
+        engines, target, {"provider": provider, "device": device, "dtype": dtype, "max_context": max_context}
+    )
+    if not peers and (hf_target or peer_gammas):
+        raise click.UsageError("--hf-target and --peer-num-draft-tokens need the transformers peers (--peers)")
+    torch_threads = threads or os.cpu_count() or 1  # transformers' and the PyTorch engine's pool
+    torch_dtype = DTYPES[dtype or "float32"]
+    transformers.logging.set_verbosity_error()  # generation-config chatter would break the progress bar
+    transformers.logging.disable_progress_bar()
+    config = BenchConfig(
+        suites=suites or SUITES,
+        num_draft_tokens=gammas,
+        temperatures=temperatures,
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        limit=limit,
+        warmup=warmup,
+        seed=seed,
+        ignore_eos=ignore_eos,
+    )
+    try:
+        loaded = [load_suite(name) for name in config.suites]
+        if engines is None and target is None:
+            engines = default_engines(err)
+        with err.status("Loading models…"):
+            if target is not None:
+                backend = open_checkpoints(
+                    target, list(drafts or (NGRAM,)), device or "cpu", torch_dtype, max_context, torch_threads
+                )
+            else:
+                backend = open_engines(engines, list(drafts or (DRAFT_FROM_ENGINES, NGRAM)), provider or "cpu", threads)
+            _check_fits(config, loaded, backend)
+            runner_for: dict = {OURS: backend.ours}
+            methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in backend.drafts for k in gammas]
+            if peers:
+                runner_for[TRANSFORMERS] = open_transformers(
+                    hf_target or backend.target_checkpoint,
+                    backend.draft_checkpoints,
+                    backend.device,
+                    torch_dtype,
+                    torch_threads,
+                    backend.eos_token_ids,
+                )
+                peer_drafts = [d for d in backend.drafts if d == NGRAM or d in backend.draft_checkpoints]
+                methods.append(Method(TRANSFORMERS, None))
+                methods += [Method(TRANSFORMERS, d, k) for d in peer_drafts for k in peer_gammas or gammas]
+    except ValueError as error:
+        raise click.ClickException(str(error)) from error
+    command = "specdec-bench " + shlex.join(sys.argv[1:])
+    results = BenchResults(config, methods, environment(backend.device, torch_threads), command)
+    interrupted = _measure(results, loaded, runner_for, backend.ours.encode, out, err)
+    results.write(out)
+    err.print(f"Wrote {out}")
+    _write_outputs(results.to_json(), plots_dir or out.with_name(out.stem + "-plots"), markdown, err)
+    if interrupted:
+        err.print(f"[yellow]Interrupted[/yellow]: {out} holds every prompt finished so far.")
+        sys.exit(130)
+
+
+def _measure(results: BenchResults, suites: list[Suite], runner_for: dict, encode, out: Path, err: Console) -> bool:
+    """Run the benchmark under a progress bar, saving after every prompt; True when Ctrl-C stopped it."""
+    config = results.config
+    per_setting = [len(s.prompts[: config.limit]) * config.repeats + config.warmup for s in suites]
+    total = sum(per_setting) * len(config.temperatures) * len(results.methods)
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, TimeRemainingColumn(), console=err) as progress:
+        task = progress.add_task("warm-up", total=total)
+        started = 0
+
+        def on_run(description: str) -> None:
+            nonlocal started
+            progress.update(task, completed=started, description=description)
+            started += 1
+
+        try:
+            run_benchmark(results, suites, runner_for, encode, on_run, lambda: results.write(out))
+        except KeyboardInterrupt:
+            results.status = "interrupted"
+            return True
+        results.status = "complete"
+        progress.update(task, completed=total, description="done")
+    return False
+
+
+def _check_fits(config: BenchConfig, suites: list[Suite], backend: Backend) -> None:
+    """Refuse, before any timing, a draft length the engine cannot verify or a prompt that cannot fit."""
+    longest_draft = max(config.num_draft_tokens)
+    if backend.max_draft_len is not None and longest_draft > backend.max_draft_len:
+        raise ValueError(
+            f"--num-draft-tokens {longest_draft} exceeds the {backend.max_draft_len} drafts the engines were "
+            "built for: sweep fewer or rebuild with specdec-build --max-draft-len"
+        )
+    for suite in suites:
+        for prompt in suite.prompts[: config.limit]:
+            needed = len(backend.ours.encode(prompt)) + config.max_new_tokens + longest_draft
+            if needed > backend.max_context:
+                raise ValueError(
+                    f"prompt {prompt.id} of suite {suite.name} needs {needed} positions with --max-new-tokens "
+                    f"{config.max_new_tokens}, more than the max context {backend.max_context}"
+                )
+
+
+def _write_outputs(data: dict, plots_dir: Path, markdown: Path | None, err: Console) -> None:
+    """The tables on stdout, the plots, and the benchmarks document when asked for."""
+    click.echo(markdown_tables(data["summary"]))
+    plots = write_plots(data["summary"], plots_dir)
+    if plots:
+        err.print(f"Wrote the plots into {plots_dir}")
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(benchmarks_document(data, plots, markdown))
+        err.print(f"Wrote {markdown}")

@@ -1,0 +1,199 @@
+"""The methods specdec-bench times, and the runners that time one generation of each.
+
+"ours" methods run on our engines through ``SpeculativeDecoder`` (plain decoding is ``num_draft_tokens=0``
+on the same target engine: the baseline). "transformers" methods are the peers on the same weights:
+``generate``, assisted generation with ``assistant_model=`` and prompt lookup
+(``prompt_lookup_num_tokens=``), timed through a streamer that sees every verify pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers import PreTrainedModel
+from transformers.generation.streamers import BaseStreamer
+
+from runtime.engine import Engine
+from specdec_trt.bench.suites import BenchPrompt
+from specdec_trt.decoder import SpeculativeDecoder
+from specdec_trt.drafting import Drafter
+from specdec_trt.sampling import SamplingParams
+
+OURS = "ours"
+TRANSFORMERS = "transformers"
+NGRAM = "ngram"
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way of generating. ``draft`` labels the drafter (None for plain decoding)."""
+
+    family: str  # OURS or TRANSFORMERS
+    draft: str | None
+    num_draft_tokens: int = 0
+
+    @property
+    def name(self) -> str:
+        if self.family == OURS:
+            return "plain" if self.draft is None else f"{self.draft} k={self.num_draft_tokens}"
+        if self.draft is None:
+            return "transformers generate"
+        kind = "prompt-lookup" if self.draft == NGRAM else f"assisted {self.draft}"
+        return f"transformers {kind} k={self.num_draft_tokens}"
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.family == OURS and self.draft is None
+
+
+@dataclass
+class Run:
+    """Raw figures of one timed generation. Token counts include the first token; ``rounds`` are verify
+    passes after it (for transformers: every forward of the target, the first included). Draft counters
+    are None where the method does not expose them."""
+
+    generated_tokens: int
+    total_s: float
+    ttft_s: float
+    rounds: int
+    accepted_tokens: int
+    drafted_tokens: int | None = None
+    drafted_per_position: list[int] | None = None
+    accepted_per_position: list[int] | None = None
+    draft_s: float | None = None
+    draft_prefill_s: float | None = None
+    verify_s: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@contextlib.contextmanager
+def torch_threads(count: int) -> Iterator[None]:
+    """Run a block with torch's intra-op pool at ``count`` threads, then restore it."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+class OursRunner:
+    """Our decoder over one target engine, with one drafter per draft label.
+
+    ``torch_threads``: torch's pool size while generating: every core for PyTorch engines, 1 for ONNX
+    Runtime engines (whose own pool owns the cores; torch only samples)."""
+
+    def __init__(
+        self,
+        target: Engine,
+        drafters: dict[str, Drafter],
+        tokenizer,
+        eos_token_ids: Sequence[int],
+        torch_threads: int,
+    ) -> None:
+        self._decoders = {
+            label: SpeculativeDecoder(target, drafter, tokenizer, eos_token_ids)
+            for label, drafter in {None: None, **drafters}.items()
+        }
+        self.torch_threads = torch_threads
+
+    def encode(self, prompt: BenchPrompt) -> list[int]:
+        """A suite prompt's token ids: chat prompts go through the tokenizer's chat template."""
+        plain = self._decoders[None]
+        return plain.tokenize(plain.apply_chat_template(prompt.prompt) if prompt.chat else prompt.prompt)
+
+    def run(self, method: Method, prompt_ids: list[int], params: SamplingParams) -> tuple[Run, list[int]]:
+        """Generate once; the run's figures and the generated token ids."""
+        with torch_threads(self.torch_threads):
+            output = self._decoders[method.draft].generate(prompt_ids, params, method.num_draft_tokens)
+        s = output.stats
+        run = Run(
+            generated_tokens=s.generated_tokens,
+            total_s=s.total_s,
+            ttft_s=s.prefill_s,
+            rounds=s.rounds,
+            accepted_tokens=s.accepted_tokens,
+            drafted_tokens=s.drafted_tokens,
+            drafted_per_position=list(s.drafted_per_position),
+            accepted_per_position=list(s.accepted_per_position),
+            draft_s=s.draft_s,
+            draft_prefill_s=s.draft_prefill_s,
+            verify_s=s.verify_s,
+        )
+        return run, output.token_ids
+
+
+class _PassTimer(BaseStreamer):
+    """Receives the prompt, then the tokens of every target forward: counts passes and stamps the first."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_token_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_token_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersRunner:
+    """transformers' own ``generate`` on the same weights: plain, with an assistant model, or prompt lookup.
+
+    Assisted generation drafts a constant ``num_draft_tokens`` per round (no heuristic schedule, no
+    confidence cut-off) so that it is compared with our decoder at the same gamma."""
+
+    def __init__(
+        self, model: PreTrainedModel, assistants: dict[str, PreTrainedModel], threads: int, eos_token_ids: Sequence[int]
+    ) -> None:
+        self.model = model
+        self.assistants = assistants
+        self.threads = threads
+        self.eos_token_ids = list(eos_token_ids)
+
+    @torch.inference_mode()
+    def run(self, method: Method, prompt_ids: list[int], params: SamplingParams) -> tuple[Run, list[int]]:
+        """Generate once; the run's figures and the generated token ids."""
+        kwargs: dict = {
+            "max_new_tokens": params.max_new_tokens,
+            "eos_token_id": None if params.ignore_eos else self.eos_token_ids,
+            "pad_token_id": self.eos_token_ids[0] if self.eos_token_ids else 0,
+            "do_sample": not params.greedy,
+        }
+        if not params.greedy:
+            kwargs |= {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+            if params.min_p:
+                kwargs["min_p"] = params.min_p
+            torch.manual_seed(params.seed or 0)
+        if method.draft == NGRAM:
+            kwargs["prompt_lookup_num_tokens"] = method.num_draft_tokens
+        elif method.draft is not None:
+            assistant = self.assistants[method.draft]
+            assistant.generation_config.num_assistant_tokens = method.num_draft_tokens
+            assistant.generation_config.num_assistant_tokens_schedule = "constant"
+            assistant.generation_config.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = assistant
+        timer = _PassTimer()
+        inputs = torch.tensor([prompt_ids], device=self.model.device)
+        with torch_threads(self.threads):
+            start = time.perf_counter()
+            output = self.model.generate(inputs, attention_mask=torch.ones_like(inputs), streamer=timer, **kwargs)
+            total_s = time.perf_counter() - start
+        generated = output[0, len(prompt_ids) :].tolist()
+        passes = timer.calls - 1
+        run = Run(
+            generated_tokens=len(generated),
+            total_s=total_s,
+            ttft_s=(timer.first_token_at or start + total_s) - start,
+            rounds=passes,
+            accepted_tokens=len(generated) - passes,
+        )
+        return run, generated

@@ -1,0 +1,98 @@
+"""PNG plots of a benchmark summary: speedup vs gamma, per-position acceptance, measured vs ideal."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
+
+from specdec_trt.bench.methods import OURS  # noqa: E402
+
+
+def write_plots(summary: Sequence[dict], directory: Path) -> list[Path]:
+    """Write the three plots into ``directory``; their paths (none when nothing speculative ran)."""
+    speculative = [r for r in summary if r["draft"] is not None]
+    if not speculative:
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    suites = list(dict.fromkeys(r["suite"] for r in speculative))
+    paths = [
+        _speedup_vs_gamma(speculative, suites, directory / "speedup_vs_gamma.png"),
+        _per_position(speculative, suites, directory / "per_position_acceptance.png"),
+        _measured_vs_ideal(speculative, directory / "measured_vs_ideal.png"),
+    ]
+    return [p for p in paths if p is not None]
+
+
+def _series(rows: Sequence[dict]) -> dict[str, list[dict]]:
+    """Rows grouped into lines: one per family, draft and temperature, sorted by gamma."""
+    lines: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        family = "ours" if row["family"] == OURS else "transformers"
+        lines[f"{family} {row['draft']} t={row['temperature']:g}"].append(row)
+    return {label: sorted(points, key=lambda r: r["num_draft_tokens"]) for label, points in lines.items()}
+
+
+def _axes(count: int, title: str):
+    figure, axes = plt.subplots(1, count, figsize=(max(7.0, 4.5 * count), 4.2), squeeze=False, sharey=True)
+    figure.suptitle(title, fontsize=10)
+    return figure, axes[0]
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _speedup_vs_gamma(rows: Sequence[dict], suites: list[str], path: Path) -> Path:
+    figure, axes = _axes(len(suites), "Speedup over plain decoding vs draft tokens per round")
+    for ax, suite in zip(axes, suites):
+        for label, points in _series([r for r in rows if r["suite"] == suite]).items():
+            gammas = [p["num_draft_tokens"] for p in points]
+            (line,) = ax.plot(gammas, [p["speedup_vs_plain"] for p in points], marker="o", label=label)
+            if points[0]["ideal_speedup"] is not None:
+                ideal = [p["ideal_speedup"] for p in points]
+                ax.plot(gammas, ideal, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{label} ideal")
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set(title=suite, xlabel="gamma")
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("tokens/s over plain")
+    return _save(figure, path)
+
+
+def _per_position(rows: Sequence[dict], suites: list[str], path: Path) -> Path | None:
+    ours = [r for r in rows if r["family"] == OURS and r["per_position_acceptance"]]
+    if not ours:
+        return None
+    figure, axes = _axes(len(suites), "Acceptance by draft position (largest gamma)")
+    for ax, suite in zip(axes, suites):
+        for label, points in _series([r for r in ours if r["suite"] == suite]).items():
+            rates = points[-1]["per_position_acceptance"]
+            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=f"{label} k={points[-1]['num_draft_tokens']}")
+        ax.set(title=suite, xlabel="draft position", ylim=(0, 1.05))
+        ax.legend(fontsize=6)
+    axes[0].set_ylabel("acceptance rate")
+    return _save(figure, path)
+
+
+def _measured_vs_ideal(rows: Sequence[dict], path: Path) -> Path | None:
+    points = [r for r in rows if r["ideal_speedup"] is not None and r["decode_speedup_vs_plain"] is not None]
+    if not points:
+        return None
+    figure, (ax,) = _axes(1, "Measured decode speedup vs the cost model's ideal")
+    for suite in dict.fromkeys(p["suite"] for p in points):
+        for label, series in _series([p for p in points if p["suite"] == suite]).items():
+            ideal = [p["ideal_speedup"] for p in series]
+            ax.scatter(ideal, [p["decode_speedup_vs_plain"] for p in series], label=f"{suite}: {label}")
+    top = max(max(p["ideal_speedup"], p["decode_speedup_vs_plain"]) for p in points) * 1.05
+    ax.plot([0, top], [0, top], color="grey", linewidth=0.8, label="measured = ideal")
+    ax.set(xlabel="ideal tau / (gamma c + 1)", ylabel="measured decode speedup", xlim=(0, top), ylim=(0, top))
+    ax.legend(fontsize=6)
+    return _save(figure, path)

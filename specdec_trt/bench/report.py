@@ -1,0 +1,188 @@
+"""Markdown from a benchmark's JSON: the tables printed on stdout and the whole docs/BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from itertools import groupby
+from pathlib import Path
+
+from specdec_trt.bench.methods import OURS
+from specdec_trt.bench.summary import PLAIN, TRANSFORMERS_GENERATE
+
+_COLUMNS = (
+    ("method", "method", "{}"),
+    ("tok/s", "tokens_per_s", "{:.1f}"),
+    ("TTFT ms", "ttft_ms", "{:.0f}"),
+    ("draft prefill ms", "draft_prefill_ms", "{:.0f}"),
+    ("vs plain", "speedup_vs_plain", "{:.2f}x"),
+    ("accept", "acceptance_rate", "{:.2f}"),
+    ("tau", "tau", "{:.2f}"),
+    ("c", "cost_ratio", "{:.3f}"),
+    ("ideal", "ideal_speedup", "{:.2f}x"),
+    ("measured/ideal", "efficiency", "{:.2f}"),
+    ("vs transformers generate", "speedup_vs_transformers_generate", "{:.2f}x"),
+    ("vs transformers same method", "speedup_vs_transformers_peer", "{:.2f}x"),
+    ("same tokens as plain", "same_tokens_as_plain", "{}"),
+)
+
+
+def _cell(value, template: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "NO"
+    return template.format(value)
+
+
+def _setting(row: dict) -> tuple[str, float]:
+    return row["suite"], row["temperature"]
+
+
+def markdown_tables(summary: Sequence[dict]) -> str:
+    """One table per suite and temperature, every method a row."""
+    parts = []
+    for (suite, temperature), rows in groupby(summary, key=_setting):
+        rows = list(rows)
+        sampling = "greedy" if temperature == 0 else f"temperature {temperature}"
+        parts.append(f"### {suite}, {sampling} ({rows[0]['prompts']} prompts)\n")
+        parts.append("| " + " | ".join(title for title, _, _ in _COLUMNS) + " |")
+        parts.append("|" + "---|" * len(_COLUMNS))
+        for row in rows:
+            parts.append("| " + " | ".join(_cell(row.get(key), fmt) for _, key, fmt in _COLUMNS) + " |")
+        parts.append("")
+    return "\n".join(parts)
+
+
+def best_speculative(summary: Sequence[dict]) -> dict[tuple[str, float], dict]:
+    """For each suite and temperature, our speculative method with the highest tokens/s."""
+    best: dict[tuple[str, float], dict] = {}
+    for row in summary:
+        if row["family"] == OURS and row["draft"] is not None and row["speedup_vs_plain"] is not None:
+            key = _setting(row)
+            if key not in best or row["tokens_per_s"] > best[key]["tokens_per_s"]:
+                best[key] = row
+    return best
+
+
+def headline_table(summary: Sequence[dict]) -> str:
+    """Per suite and temperature: plain, transformers generate, and our best speculative method."""
+    lookup = {(*_setting(r), r["method"]): r for r in summary}
+    lines = [
+        "| suite | sampling | plain tok/s | transformers generate tok/s | plain vs transformers "
+        "| best speculative | tok/s | vs plain | vs transformers generate | acceptance | c |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (suite, temperature), row in best_speculative(summary).items():
+        plain = lookup.get((suite, temperature, PLAIN), {})
+        hf = lookup.get((suite, temperature, TRANSFORMERS_GENERATE), {})
+        cells = [
+            suite,
+            "greedy" if temperature == 0 else f"t={temperature}",
+            _cell(plain.get("tokens_per_s"), "{:.1f}"),
+            _cell(hf.get("tokens_per_s"), "{:.1f}"),
+            _cell(plain.get("speedup_vs_transformers_generate"), "{:.2f}x"),
+            row["method"],
+            _cell(row["tokens_per_s"], "{:.1f}"),
+            _cell(row["speedup_vs_plain"], "{:.2f}x"),
+            _cell(row["speedup_vs_transformers_generate"], "{:.2f}x"),
+            _cell(row["acceptance_rate"], "{:.2f}"),
+            _cell(row["cost_ratio"], "{:.3f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def reading(summary: Sequence[dict]) -> str:
+    """Where speculation paid in this run and where it did not, in the cost model's terms."""
+    lines = []
+    for (suite, temperature), row in best_speculative(summary).items():
+        sampling = "greedy" if temperature == 0 else f"at temperature {temperature}"
+        verdict = "pays" if row["speedup_vs_plain"] > 1 else "does not pay"
+        figures = f"acceptance {_cell(row['acceptance_rate'], '{:.2f}')}, tau {_cell(row['tau'], '{:.2f}')}"
+        if row["cost_ratio"] is not None:
+            figures += (
+                f", c {row['cost_ratio']:.3f}: ideal {row['ideal_speedup']:.2f}x, "
+                f"measured/ideal {_cell(row['efficiency'], '{:.2f}')}"
+            )
+        lines.append(
+            f"- **{suite}**, {sampling}: speculation {verdict}; the best method is {row['method']} at "
+            f"{row['speedup_vs_plain']:.2f}x plain ({figures})."
+        )
+    return "\n".join(lines + [""] + _draft_lines(summary)) + "\n"
+
+
+def _draft_lines(summary: Sequence[dict]) -> list[str]:
+    """Per draft, over every suite and gamma: the range of its cost ratio, acceptance and speedup."""
+    lines = []
+    ours = [r for r in summary if r["family"] == OURS and r["draft"] is not None and r["cost_ratio"] is not None]
+    for draft in dict.fromkeys(r["draft"] for r in ours):
+        rows = [r for r in ours if r["draft"] == draft]
+
+        def span(key: str, template: str, rows: list[dict] = rows) -> str:
+            values = [r[key] for r in rows if r[key] is not None]
+            low, high = template.format(min(values)), template.format(max(values))
+            return low if low == high else f"{low} to {high}"
+
+        prefill = span("draft_prefill_ms", "{:.0f}")
+        lines.append(
+            f"- The **{draft}** draft costs c = {span('cost_ratio', '{:.3f}')} of a target step per drafted token "
+            f"and is accepted at {span('acceptance_rate', '{:.2f}')}: ideal speedups "
+            f"{span('ideal_speedup', '{:.2f}x')}, measured {span('speedup_vs_plain', '{:.2f}x')} over plain "
+            f"(measured/ideal over the rounds {span('efficiency', '{:.2f}')})"
+            + ("." if prefill == "0" else f"; its own prefill of the prompt adds {prefill} ms per request.")
+        )
+    return lines
+
+
+def benchmarks_document(data: dict, plots: Sequence[Path], document: Path) -> str:
+    """docs/BENCHMARKS.md: the command, the machine, the headline, every table, the plots and a reading."""
+    env = data["environment"]
+    versions = ", ".join(f"{name} {version}" for name, version in env["packages"].items())
+    images = "\n".join(f"![{p.stem}]({os.path.relpath(p, document.parent)})" for p in plots)
+    summary, config = data["summary"], data["config"]
+    length = f"{config['max_new_tokens']} new tokens" + (
+        " each (EOS ignored, so that every method makes as many)" if config["ignore_eos"] else " at most (stop at EOS)"
+    )
+    return f"""# Benchmarks
+
+Generated by `specdec-bench` from the run below; do not edit by hand, run the command again.
+
+```bash
+{data["command"]}
+```
+
+Machine: {env["cpu"]}, {env["cores"]} cores, {env["threads"]} threads; {env["platform"]}; device {env["device"]}.
+Packages: {versions}. Revision {env["git_revision"]}. Run status: {data["status"]}.
+
+Every method runs in one process on the same prompts, methods alternating within each repeat, after a
+warm-up; figures are medians over prompts of each prompt's median over {config["repeats"]} repeats, with
+{length}. Speedups are per prompt, side by side, then the median. "plain" is
+target-only decoding on the same engine: the baseline. tok/s counts every generated token over the whole
+request; "draft prefill" is the draft model's pass over the prompt, a fixed cost per request.
+
+## Headline
+
+{headline_table(summary)}
+## How to read the cost model
+
+A round drafts gamma tokens at c target-steps each and verifies them in one target pass, which yields
+tau tokens (the accepted drafts plus the target's own token). With plain decoding costing one target step
+per token, the ideal speedup is tau / (gamma c + 1). Speculation pays when the drafts are both cheap
+(small c) and often right (high acceptance): prompt lookup costs almost nothing (c near 0) and wins
+wherever the output copies the prompt (extraction, summarisation, code that repeats identifiers), but
+proposes little on free-form chat; a model draft proposes everywhere, at its cost c per token.
+"measured/ideal" is the engine's efficiency over the decoding rounds (the draft's prefill excluded, as the
+model has no term for it): the extra cost of a verify pass of gamma + 1 tokens over one step, sampling and
+Python overhead are what separate the two.
+
+## Reading this run
+
+{reading(summary)}
+## Plots
+
+{images}
+
+## Every method
+
+{markdown_tables(summary)}"""
