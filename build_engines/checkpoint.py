@@ -131,7 +131,8 @@ def model_config(hf_config: Any, source: Path) -> ModelConfig:
         raise CheckpointError(f"{source}: {err}") from err
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _safetensors_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (the shards its index names), or a CheckpointError."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
@@ -149,10 +150,15 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                 "trusted environment"
             )
         raise CheckpointError(f"{path} has no *.safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"{file} is listed in {index.name} but missing: re-download that shard")
+    return files
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(path):
         try:
             weights.update(load_file(file))
         except (SafetensorError, OSError) as err:
@@ -180,6 +186,7 @@ def load_transformers_model(path: str | Path, dtype: torch.dtype = torch.float32
     read_config(path)
     if path.is_file():
         return _gguf_model(path, dtype)
+    _safetensors_files(path)  # refuses pickled-only and incomplete checkpoints with the loader's own errors
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).eval()
     except OSError as err:

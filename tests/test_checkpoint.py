@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import FAMILIES, build_model, char_tokenizer, save_checkpoint
 
-from build_engines.checkpoint import CheckpointError, load_checkpoint
+from build_engines.checkpoint import CheckpointError, load_checkpoint, load_transformers_model
 
 
 @pytest.fixture
@@ -92,14 +92,16 @@ def test_unsupported_architecture_detail_names_the_checkpoint(checkpoint_copy: P
     assert str(err.value).startswith(str(checkpoint_copy))
 
 
-def test_pickled_weights_refused_without_unpickling(checkpoint_copy: Path, tmp_path: Path) -> None:
-    """A directory whose only weights are pytorch_model.bin is refused, and the pickle is never loaded."""
+@pytest.mark.parametrize("loader", [load_checkpoint, load_transformers_model])
+def test_pickled_weights_refused_without_unpickling(loader, checkpoint_copy: Path, tmp_path: Path) -> None:
+    """A directory whose only weights are pytorch_model.bin is refused, and the pickle is never loaded: by
+    our loader and by the one that opens the checkpoint in transformers (the benchmark's peers)."""
     marker = tmp_path / "unpickled"
     for weights in checkpoint_copy.glob("*.safetensors"):
         weights.unlink()
     (checkpoint_copy / "pytorch_model.bin").write_bytes(_malicious_pickle(marker))
     with pytest.raises(CheckpointError, match="refused as unsafe") as err:
-        load_checkpoint(checkpoint_copy)
+        loader(checkpoint_copy)
     message = str(err.value)
     assert str(checkpoint_copy) in message and "pytorch_model.bin" in message
     assert "safetensors" in message and "save_pretrained" in message

@@ -88,7 +88,7 @@ def _numbers(kind: type, minimum: float):
     callback=_numbers(float, 0),
     help="Sampling temperatures, comma-separated; 0 is greedy.",
 )
-@click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=128)
+@click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=128, help="New tokens per request.")
 @click.option("--repeats", type=click.IntRange(min=1), default=3, help="Timed runs per prompt and method.")
 @click.option("--warmup/--no-warmup", default=True, help="Run every method once before timing each suite.")
 @click.option(
@@ -107,11 +107,22 @@ def _numbers(kind: type, minimum: float):
 )
 @click.option("--provider", type=click.Choice(sorted(PROVIDERS)), help="ONNX Runtime provider. [default: cpu]")
 @click.option("--threads", type=click.IntRange(min=1), help="Threads for every method. [default: one per core]")
-@click.option("--device", help="torch device for --target and transformers: cpu, cuda, ... [default: cpu]")
+@click.option(
+    "--device",
+    help="torch device (cpu, cuda, cuda:1, ...) for the PyTorch engine and transformers' peers; without "
+    "--target it runs the default model's checkpoint. [default: cpu]",
+)
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Weight dtype with --target. [default: float32]")
 @click.option("--max-context", type=click.IntRange(min=8), help="KV cache positions with --target.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("results/bench.json"))
-@click.option("--plots-dir", type=click.Path(file_okay=False, path_type=Path), help="[default: beside --out]")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("results/bench.json"),
+    help="JSON of every run, the summary and the environment.",
+)
+@click.option(
+    "--plots-dir", type=click.Path(file_okay=False, path_type=Path), help="Where the PNG plots go. [default: OUT-plots]"
+)
 @click.option(
     "--from-json",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),

@@ -13,6 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from specdec_trt.bench.methods import OURS  # noqa: E402
 
+_COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
 
 def write_plots(summary: Sequence[dict], directory: Path) -> list[Path]:
     """Write the three plots into ``directory``; their paths (none when nothing speculative ran)."""
@@ -87,10 +89,11 @@ def _measured_vs_ideal(rows: Sequence[dict], path: Path) -> Path | None:
     if not points:
         return None
     figure, (ax,) = _axes(1, "Measured decode speedup vs the cost model's ideal")
-    for suite in dict.fromkeys(p["suite"] for p in points):
-        for label, series in _series([p for p in points if p["suite"] == suite]).items():
+    for suite, marker in zip(dict.fromkeys(p["suite"] for p in points), "os^Dvp<>"):
+        for (label, series), color in zip(_series([p for p in points if p["suite"] == suite]).items(), _COLORS):
             ideal = [p["ideal_speedup"] for p in series]
-            ax.scatter(ideal, [p["decode_speedup_vs_plain"] for p in series], label=f"{suite}: {label}")
+            measured = [p["decode_speedup_vs_plain"] for p in series]
+            ax.scatter(ideal, measured, marker=marker, color=color, label=f"{suite}: {label}")
     top = max(max(p["ideal_speedup"], p["decode_speedup_vs_plain"]) for p in points) * 1.05
     ax.plot([0, top], [0, top], color="grey", linewidth=0.8, label="measured = ideal")
     ax.set(xlabel="ideal tau / (gamma c + 1)", ylabel="measured decode speedup", xlim=(0, top), ylim=(0, top))
