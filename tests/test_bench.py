@@ -327,6 +327,19 @@ def test_ctrl_c_leaves_valid_json_with_the_finished_prompts(
     assert not list(tmp_path.glob("*.tmp"))
 
 
+@pytest.mark.parametrize(("limit", "prompts"), [("1", ["copy"]), ("0", ["copy", "ask"])])
+def test_limit_takes_the_first_prompts_and_zero_takes_all(
+    models: dict[str, Path], suite_file: Path, tmp_path: Path, limit: str, prompts: list[str]
+) -> None:
+    out = tmp_path / "bench.json"
+    code, output = invoke(
+        *("--target", str(models["target"]), "--suite", str(suite_file), "--limit", limit, "-k", "1"),
+        *("-n", "3", "--repeats", "1", "--no-peers", "--no-warmup", "--out", str(out)),
+    )
+    assert code == 0, output
+    assert list(dict.fromkeys(r["prompt_id"] for r in json.loads(out.read_text())["runs"])) == prompts
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -65,7 +65,12 @@ def _numbers(kind: type, minimum: float):
     multiple=True,
     help=f"Prompt suite (repeatable): {', '.join(SUITES)}, or a JSONL file of {{id, prompt, chat}}. [default: all]",
 )
-@click.option("--limit", type=click.IntRange(min=1), help="Use only the first N prompts of each suite.")
+@click.option(
+    "--limit",
+    type=click.IntRange(min=0),
+    default=5,
+    help="Use the first N prompts of each suite; 0 for all of them (20-24 per shipped suite, hours on a CPU).",
+)
 @click.option(
     "--num-draft-tokens",
     "-k",
@@ -139,7 +144,7 @@ def bench(
     target: Path | None,
     drafts: tuple[str, ...],
     suites: tuple[str, ...],
-    limit: int | None,
+    limit: int,
     gammas: tuple[int, ...],
     peer_gammas: tuple[int, ...] | None,
     temperatures: tuple[float, ...],
@@ -195,7 +200,7 @@ def bench(
         temperatures=temperatures,
         max_new_tokens=max_new_tokens,
         repeats=repeats,
-        limit=limit,
+        limit=limit or None,
         warmup=warmup,
         seed=seed,
         ignore_eos=ignore_eos,
