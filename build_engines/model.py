@@ -19,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# config.json key of a vocabulary-pruned draft (as specdec-distill writes): the sorted token ids its output
+# head scores. Every other token gets logit -inf, so the draft's q is exactly 0 there and rejection sampling
+# stays exact (the target's residual max(0, p - q) covers those tokens).
+DRAFT_VOCAB_KEY = "specdec_draft_vocab"
 _ROPE_CLASS_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 _UNSUPPORTED_ROPE = ("dynamic", "longrope")
 
@@ -49,6 +53,7 @@ class ModelConfig:
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
     hf_config: Any = field(compare=False, repr=False)
+    draft_vocab: tuple[int, ...] | None = field(default=None, repr=False)
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -89,6 +94,7 @@ class ModelConfig:
             sliding_window=_sliding_window(hf_config),
             eos_token_ids=eos_ids,
             hf_config=hf_config,
+            draft_vocab=_draft_vocab(hf_config),
         )
 
     @property
@@ -101,6 +107,23 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of keys and values one token occupies across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def _draft_vocab(hf_config: Any) -> tuple[int, ...] | None:
+    ids = getattr(hf_config, DRAFT_VOCAB_KEY, None)
+    if ids is None:
+        return None
+    vocab = hf_config.vocab_size
+    if (
+        not isinstance(ids, (list, tuple))
+        or not ids
+        or not all(isinstance(i, int) and 0 <= i < vocab for i in ids)
+        or list(ids) != sorted(set(ids))
+    ):
+        raise UnsupportedModelError(
+            f"{DRAFT_VOCAB_KEY} must be a non-empty, sorted list of distinct token ids in [0, {vocab})"
+        )
+    return tuple(ids)
 
 
 def _sliding_window(hf_config: Any) -> int | None:
@@ -242,6 +265,9 @@ class CompactDecoder(nn.Module):
         cos, sin = rope_tables(config, max_context)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        if config.draft_vocab is not None:
+            self.register_buffer("draft_vocab", torch.tensor(config.draft_vocab), persistent=False)
+            self.register_buffer("logit_source", pruned_logit_source(config), persistent=False)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load a Hugging Face state dict; ties the output head to the embeddings when the config says so."""
@@ -297,4 +323,16 @@ class CompactDecoder(nn.Module):
             x = layer(x, step, k_layer, v_layer)
         if logits_at is not None:
             x = x[step.rows[:, 0], logits_at.to(x.device)]
-        return self.lm_head(self.model.norm(x)).float()
+        x = self.model.norm(x)
+        if self.config.draft_vocab is None:
+            return self.lm_head(x).float()
+        pruned = F.linear(x, self.lm_head.weight[self.draft_vocab]).float()
+        return F.pad(pruned, (0, 1), value=float("-inf"))[..., self.logit_source]
+
+
+def pruned_logit_source(config: ModelConfig) -> torch.Tensor:
+    """For each token id, its column in a pruned draft's logits padded with one -inf column at the end
+    (the column every token outside the draft vocabulary reads)."""
+    source = torch.full((config.vocab_size,), len(config.draft_vocab), dtype=torch.int64)
+    source[list(config.draft_vocab)] = torch.arange(len(config.draft_vocab))
+    return source

@@ -24,9 +24,13 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from build_engines.model import CompactDecoder, ModelConfig, rope_tables
+from build_engines.model import CompactDecoder, ModelConfig, pruned_logit_source, rope_tables
 
 OPSET = 17
+# The IR version written, pinned rather than onnx's newest: ONNX Runtime refuses IR versions newer than it
+# knows (seen: onnx 1.23 writes IR 14, onnxruntime 1.30 reads up to 13). IR 10 carries opset 17 and is
+# read by every onnxruntime since 1.17.
+IR_VERSION = 10
 EXTERNAL_DATA_SUFFIX = ".data"
 _ONNX_DTYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16}
 INT4_BLOCK_SIZE = 32
@@ -104,8 +108,12 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
     final, _ = _add_and_norm(graph, hidden, residual, weights["model.norm.weight"], config)
     index = graph.op("Unsqueeze", ["logits_index", graph.weight("axis_last", np.array([-1], np.int64))])[0]
     picked = graph.op("GatherND", [final, index], batch_dims=1)[0]
-    logits = graph.op("MatMul", [picked, graph.weight("lm_head", weights["lm_head.weight"].T)])[0]
-    graph.op("Cast", [logits], ["logits"], to=TensorProto.FLOAT)
+    head = weights["lm_head.weight"]
+    if config.draft_vocab is None:
+        logits = graph.op("MatMul", [picked, graph.weight("lm_head", head.T)])[0]
+        graph.op("Cast", [logits], ["logits"], to=TensorProto.FLOAT)
+    else:
+        _pruned_logits(graph, picked, head, config)
 
     cache_shape = ["batch", config.num_kv_heads, model.max_context, config.head_dim]
     inputs = [
@@ -123,7 +131,8 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
         outputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
     onnx_graph = helper.make_graph(graph.nodes, "specdec_decoder", inputs, outputs, graph.initializers)
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid("com.microsoft", 1)]
-    save_model(helper.make_model(onnx_graph, opset_imports=opsets, producer_name="specdec-trt"), path)
+    model = helper.make_model(onnx_graph, opset_imports=opsets, producer_name="specdec-trt", ir_version=IR_VERSION)
+    save_model(model, path)
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
@@ -148,6 +157,17 @@ def quantize_int4(source: Path, destination: Path, block_size: int = INT4_BLOCK_
     )
     quantizer.process()
     save_model(quantizer.model.model, destination)
+
+
+def _pruned_logits(graph: _Graph, hidden: str, head: np.ndarray, config: ModelConfig) -> None:
+    """A vocabulary-pruned head: scores for the draft vocabulary only, spread to the full vocabulary with
+    -inf everywhere else (one Pad and one Gather over the vocabulary, no scatter of a full tensor)."""
+    pruned = graph.op("MatMul", [hidden, graph.weight("lm_head", head[list(config.draft_vocab)].T)])[0]
+    pruned = graph.op("Cast", [pruned], to=TensorProto.FLOAT)[0]
+    pads = graph.weight("logit_pads", np.array([0, 0, 0, 0, 0, 1], np.int64))
+    padded = graph.op("Pad", [pruned, pads, graph.weight("minus_inf", np.array(-np.inf, np.float32))])[0]
+    source = graph.weight("logit_source", pruned_logit_source(config).numpy())
+    graph.op("Gather", [padded, source], ["logits"], axis=-1)
 
 
 def _add_and_norm(

@@ -25,6 +25,7 @@ from build_engines.model import CompactDecoder, ModelConfig
 from build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
 from runtime.ort_engine import OrtEngine, session_options
 from runtime.torch_engine import TorchEngine
+from specdec_trt import __version__
 from specdec_trt.loading import check_same_vocabulary, model_spec
 
 STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
@@ -112,11 +113,12 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     target = load_checkpoint(_target_path(request))
     draft = None if str(request.draft) in (DRAFT_INT4, DRAFT_NONE) else load_checkpoint(request.draft)
     target_model = _compact(target, request.max_context)
+    draft_model = _compact(draft, request.max_context) if draft is not None else None
     on_stage("export target")
     export_onnx(target_model, directory / "raw" / "target.onnx", dtype)
     on_stage("export draft")
-    if draft is not None:
-        export_onnx(_compact(draft, request.max_context), directory / "raw" / "draft.onnx", dtype)
+    if draft_model is not None:
+        export_onnx(draft_model, directory / "raw" / "draft.onnx", dtype)
     on_stage("quantize")
     if request.draft == DRAFT_INT4:
         quantize_int4(directory / "raw" / "target.onnx", directory / "raw" / "draft.onnx")
@@ -132,13 +134,18 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     elif request.draft == DRAFT_INT4:
         entries["draft"] = _entry(request, target, "draft", f"int4-block{INT4_BLOCK_SIZE}")
     _verify(directory, entries["target"], target_model, request)
-    if "draft" in entries:
+    if draft_model is not None:
+        _verify(directory, entries["draft"], draft_model, request)
+    elif "draft" in entries:
         _verify_runs(directory, entries["draft"])
     on_stage("write")
     tokenizer = target.tokenizer
     if tokenizer is not None:
         tokenizer.save_pretrained(directory / "tokenizer")
-    versions = {name: version(name) for name in ("specdec-trt", "torch", "onnx", "onnxruntime", "transformers")}
+    # specdec-trt's own version from the package itself: it also runs from a source tree with no install.
+    versions = {"specdec-trt": __version__} | {
+        name: version(name) for name in ("torch", "onnx", "onnxruntime", "transformers")
+    }
     kind = {DRAFT_INT4: "int4", DRAFT_NONE: "none"}.get(str(request.draft), "model")
     return write_manifest(directory, entries["target"], entries.get("draft"), kind, versions)
 
@@ -186,7 +193,8 @@ def _entry(request: BuildRequest, checkpoint: Checkpoint, role: str, quantizatio
 
 
 def _verify(directory: Path, entry: ModelEntry, model: CompactDecoder, request: BuildRequest) -> None:
-    """The exported target must give the compact model's logits: a prompt, then a full verify block."""
+    """An exported graph must give the compact model's logits: a prompt, then a full verify block (a
+    vocabulary-pruned draft's -inf logits included)."""
     engine = OrtEngine(model_spec(directory, entry))
     reference = TorchEngine(model)
     generator = torch.Generator().manual_seed(0)
@@ -198,9 +206,18 @@ def _verify(directory: Path, entry: ModelEntry, model: CompactDecoder, request: 
         (engine.prefill(prompt, lengths), reference.prefill(prompt, lengths)),
         (engine.forward(block), reference.forward(block)),
     ]
-    error = max(float((ours - theirs.float()).abs().max()) for ours, theirs in pairs)
+    error = max(_logit_error(ours, theirs.float()) for ours, theirs in pairs)
     if error > VERIFY_TOLERANCE[request.dtype]:
-        raise BuildError(f"the exported target's logits differ from the model's by {error:.2e}: the export is wrong")
+        role = entry.graph.split("/")[0]
+        raise BuildError(f"the exported {role}'s logits differ from the model's by {error:.2e}: the export is wrong")
+
+
+def _logit_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    """Largest difference of the finite logits; infinite where the -inf entries differ."""
+    if not torch.equal(torch.isinf(ours), torch.isinf(theirs)):
+        return float("inf")
+    finite = torch.isfinite(theirs)
+    return float((ours[finite] - theirs[finite]).abs().max())
 
 
 def _verify_runs(directory: Path, entry: ModelEntry) -> None:

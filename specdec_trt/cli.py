@@ -15,12 +15,26 @@ from rich.table import Table
 from build_engines.manifest import MANIFEST_NAME
 from runtime.ort_engine import PROVIDERS
 from specdec_trt.build import PRESETS, STAGES, BuildRequest, build, default_engine_dir
-from specdec_trt.decoder import GenerationOutput, SpeculativeDecoder
+from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, GenerationOutput, SpeculativeDecoder
 from specdec_trt.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TORCH_ONLY = ("device", "dtype", "max_context")
 _ONNX_ONLY = ("provider", "threads")
+
+
+class DraftLengthType(click.ParamType):
+    """A number of drafts per round (an integer from 0 to 64) or "auto"."""
+
+    name = "INTEGER|auto"
+
+    def convert(self, value, param, ctx) -> DraftLength:
+        text = str(value).strip()
+        if text == AUTO:
+            return AUTO
+        if text.isdigit() and int(text) <= 64:
+            return int(text)
+        self.fail(f"{value!r} is neither a draft length (an integer from 0 to 64) nor {AUTO!r}", param, ctx)
 
 
 engines_option = click.option(
@@ -49,8 +63,10 @@ engines_option = click.option(
 @click.option(
     "--num-draft-tokens",
     "-k",
-    type=click.IntRange(0, 64),
-    help="Tokens drafted per round (gamma); 0 is plain decoding on the same engine. "
+    type=DraftLengthType(),
+    help="Tokens drafted per round (gamma); 0 is plain decoding on the same engine; 'auto' chooses gamma "
+    "every round from the acceptance and costs measured so far (up to what the engines were built for, or "
+    "8 with --target) and stops a round early when the draft is unconfident. "
     "[default: 5, at most what the engines were built for]",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128)
@@ -88,7 +104,7 @@ def run(
     engines: Path | None,
     target: Path | None,
     draft: str | None,
-    num_draft_tokens: int | None,
+    num_draft_tokens: DraftLength | None,
     max_new_tokens: int,
     temperature: float,
     top_p: float,
@@ -111,6 +127,7 @@ def run(
     Examples:
       specdec-run --chat "What is speculative decoding?"
       specdec-run --engines engines/my-llama -k 4 -t 0.8 --top-p 0.95 --seed 1 "Once upon a time"
+      specdec-run --engines engines/my-llama -k auto "Once upon a time"
       specdec-run --target ./llama-1b --draft ./llama-160m "Once upon a time"
     """
     options = {"provider": provider, "threads": threads, "device": device, "dtype": dtype, "max_context": max_context}
@@ -134,7 +151,7 @@ def run(
                 decoder = SpeculativeDecoder.from_pretrained(
                     target,
                     draft or "ngram",
-                    num_draft_tokens=5 if num_draft_tokens is None else num_draft_tokens,
+                    num_draft_tokens=DEFAULT_NUM_DRAFT_TOKENS if num_draft_tokens is None else num_draft_tokens,
                     device=device or "cpu",
                     dtype=DTYPES[dtype or "float32"],
                     max_context=max_context,
@@ -274,7 +291,7 @@ def _read_prompt(prompt: str | None) -> str:
     return sys.stdin.read()
 
 
-def _as_json(output: GenerationOutput, num_draft_tokens: int, draft: str) -> dict:
+def _as_json(output: GenerationOutput, num_draft_tokens: DraftLength, draft: str) -> dict:
     return {
         "text": output.text,
         "token_ids": output.token_ids,
@@ -285,7 +302,7 @@ def _as_json(output: GenerationOutput, num_draft_tokens: int, draft: str) -> dic
     }
 
 
-def _stats_table(output: GenerationOutput, num_draft_tokens: int, draft: str) -> Table:
+def _stats_table(output: GenerationOutput, num_draft_tokens: DraftLength, draft: str) -> Table:
     stats = output.stats
     table = Table(title=f"draft={draft} k={num_draft_tokens} finish={output.finish_reason}", show_header=False)
     table.add_row("tokens (prompt / generated)", f"{stats.prompt_tokens} / {stats.generated_tokens}")
@@ -294,6 +311,7 @@ def _stats_table(output: GenerationOutput, num_draft_tokens: int, draft: str) ->
     if num_draft_tokens:
         table.add_row("acceptance rate", f"{stats.acceptance_rate:.2f}")
         table.add_row("tokens per round (tau)", f"{stats.mean_accepted_tokens:.2f}")
+        table.add_row("drafts per round", f"{stats.drafts_per_round:.2f}")
         table.add_row("per-position acceptance", " ".join(f"{a:.2f}" for a in stats.per_position_acceptance))
         table.add_row(
             "draft / verify per round", f"{stats.draft_ms_per_round:.1f} / {stats.verify_ms_per_round:.1f} ms"

@@ -1,9 +1,14 @@
 """SpeculativeDecoder: prefill, then draft -> verify -> accept rounds, with streaming and stop rules.
 
 Cache invariant between rounds, per row: the target cache holds the committed sequence except its last
-token; the draft cache holds at least all but the last two (see ``ModelDrafter``). A round feeds the
-target ``[last committed token, d_1 .. d_k]`` in one verify pass, keeps the accepted prefix plus one
-target token, and rolls both caches back by moving their length pointers.
+token; the draft cache holds a prefix of it (all but the last two after a drafting round, fewer after
+plain rounds), which ``ModelDrafter`` completes when it next drafts. A round feeds the target
+``[last committed token, d_1 .. d_k]`` in one verify pass, keeps the accepted prefix plus one target
+token, and rolls both caches back by moving their length pointers.
+
+``num_draft_tokens="auto"`` (``AUTO``) chooses the draft length of every round from the acceptance and
+the costs measured so far (``specdec_trt.schedule``), and lets the draft stop a round early when it is
+unconfident (``draft_confidence_threshold``). A fixed integer drafts exactly that many tokens per round.
 """
 
 from __future__ import annotations
@@ -21,11 +26,28 @@ from specdec_trt.drafting import Draft, Drafter
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import rejection_sample
 from specdec_trt.sampling import BatchSampler, SamplingParams
+from specdec_trt.schedule import DraftLengthController
 from specdec_trt.stats import GenerationStats
 from specdec_trt.text import TextTracker
 
 Prompt = str | Sequence[int]
+DraftLength = int | str  # a number of drafts per round, or AUTO
 DEFAULT_NUM_DRAFT_TOKENS = 5
+AUTO = "auto"
+# Longest draft "auto" may choose on an engine without a verify-width limit (the PyTorch engine). It is
+# also what the context check reserves, so it stays modest: past 8 drafts, even at acceptance 0.9, a
+# draft token adds under 0.05 expected tokens per round.
+AUTO_MAX_DRAFT_TOKENS = 8
+# "auto" stops a round after a draft token its own (unwarped) softmax gives less than this, in every row
+# (transformers' assistant_confidence_threshold starts at 0.4).
+DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.3
+
+
+def check_num_draft_tokens(value: object) -> DraftLength:
+    """``value`` if it is an integer >= 0 or "auto", else a ValueError saying what is accepted."""
+    if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise ValueError(f"num_draft_tokens must be an integer >= 0 or {AUTO!r}, got {value!r}")
 
 
 @dataclass
@@ -97,7 +119,9 @@ class GenerationStream:
 class SpeculativeDecoder:
     """Lossless speculative decoding over a target engine and a drafter.
 
-    ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline.
+    ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline;
+    ``"auto"`` picks the draft length each round (see the module docstring), stopping a round early when
+    the draft's own probability of its token falls below ``draft_confidence_threshold`` (0: never).
     A decoder runs one generation (or batch) at a time: its engines hold that batch's KV caches.
     """
 
@@ -107,8 +131,12 @@ class SpeculativeDecoder:
         drafter: Drafter | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None,
         eos_token_ids: Iterable[int] = (),
-        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
+        draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
     ) -> None:
+        check_num_draft_tokens(num_draft_tokens)
+        if not 0 <= draft_confidence_threshold <= 1:
+            raise ValueError(f"draft_confidence_threshold must be in [0, 1], got {draft_confidence_threshold!r}")
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -117,6 +145,7 @@ class SpeculativeDecoder:
             eos.add(tokenizer.eos_token_id)
         self.eos_token_ids = frozenset(eos)
         self.num_draft_tokens = num_draft_tokens if drafter is not None else 0
+        self.draft_confidence_threshold = draft_confidence_threshold
         limits = [target.max_context, drafter.max_context if drafter is not None else None]
         self.max_context = min(limit for limit in limits if limit is not None)
 
@@ -126,15 +155,18 @@ class SpeculativeDecoder:
         target: str | Path | None = None,
         draft: str | Path | None = "ngram",
         *,
-        num_draft_tokens: int = DEFAULT_NUM_DRAFT_TOKENS,
+        num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_context: int | None = None,
+        draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
         embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None."""
+        check_num_draft_tokens(num_draft_tokens)  # before loading anything
         checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context)
-        return cls(engine, drafter, checkpoint.tokenizer, checkpoint.config.eos_token_ids, num_draft_tokens)
+        eos = checkpoint.config.eos_token_ids
+        return cls(engine, drafter, checkpoint.tokenizer, eos, num_draft_tokens, draft_confidence_threshold)
 
     @classmethod
     def from_engines(
@@ -142,20 +174,25 @@ class SpeculativeDecoder:
         directory: str | Path,
         draft: str | None = DRAFT_FROM_ENGINES,
         *,
-        num_draft_tokens: int | None = None,
+        num_draft_tokens: DraftLength | None = None,
         provider: str = "cpu",
         threads: int | None = None,
+        draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
     ) -> SpeculativeDecoder:
         """Open an engine directory built by ``specdec-build`` on ONNX Runtime (its manifest and checksums
         are checked first). ``draft``: "engine" (the directory's draft), "ngram" or None.
-        ``num_draft_tokens`` defaults to 5, or the engine's max draft length when that is smaller."""
+        ``num_draft_tokens`` defaults to 5, or the engine's max draft length when that is smaller; "auto"
+        chooses up to the engine's max draft length each round."""
+        if num_draft_tokens is not None:
+            check_num_draft_tokens(num_draft_tokens)  # before loading anything
         manifest, tokenizer, engine, drafter = load_engine_directory(directory, draft, provider, threads)
         gamma = (
             min(DEFAULT_NUM_DRAFT_TOKENS, manifest.target.max_draft_len)
             if num_draft_tokens is None
             else num_draft_tokens
         )
-        return cls(engine, drafter, tokenizer, manifest.target.eos_token_ids, gamma)
+        eos = manifest.target.eos_token_ids
+        return cls(engine, drafter, tokenizer, eos, gamma, draft_confidence_threshold)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
@@ -181,7 +218,7 @@ class SpeculativeDecoder:
         )
 
     def generate(
-        self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: int | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: DraftLength | None = None
     ) -> GenerationOutput:
         """Generate one completion."""
         return self.generate_batch([prompt], params, num_draft_tokens)[0]
@@ -190,7 +227,7 @@ class SpeculativeDecoder:
         self,
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
-        num_draft_tokens: int | None = None,
+        num_draft_tokens: DraftLength | None = None,
     ) -> list[GenerationOutput]:
         """Generate completions for a batch; each request keeps its own parameters and seed."""
         requests, sampler, gamma = self._prepare(prompts, params, num_draft_tokens)
@@ -199,7 +236,7 @@ class SpeculativeDecoder:
         return [request.output() for request in requests]
 
     def stream(
-        self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: int | None = None
+        self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: DraftLength | None = None
     ) -> GenerationStream:
         """Generate one completion, yielding text as it is accepted (iterate the returned stream)."""
         requests, sampler, gamma = self._prepare([prompt], params, num_draft_tokens)
@@ -216,18 +253,16 @@ class SpeculativeDecoder:
         self,
         prompts: Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None,
-        num_draft_tokens: int | None,
-    ) -> tuple[list[_Request], BatchSampler, int]:
+        num_draft_tokens: DraftLength | None,
+    ) -> tuple[list[_Request], BatchSampler, DraftLength]:
         """Validate everything before any work: the draft length, the parameters, prompts and context."""
         if isinstance(prompts, str) or not prompts:
             raise ValueError("prompts must be a non-empty list of prompts")
-        gamma = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
-        if not isinstance(gamma, int) or gamma < 0:
-            raise ValueError(f"num_draft_tokens must be an integer >= 0, got {gamma!r}")
+        gamma = check_num_draft_tokens(self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
         if gamma and self.drafter is None:
-            raise ValueError(f"num_draft_tokens={gamma} needs a drafter; this decoder has none (use 0)")
+            raise ValueError(f"num_draft_tokens={gamma!r} needs a drafter; this decoder has none (use 0)")
         built_for = self.target.max_draft_len
-        if built_for is not None and gamma > built_for:
+        if gamma != AUTO and built_for is not None and gamma > built_for:
             raise ValueError(
                 f"num_draft_tokens={gamma} exceeds the {built_for} drafts the engine was built for: ask for fewer "
                 "or rebuild with specdec-build --max-draft-len"
@@ -236,20 +271,28 @@ class SpeculativeDecoder:
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):
             raise ValueError(f"got {len(param_list)} sampling parameters for {len(prompts)} prompts")
+        reach = self.max_auto_draft if gamma == AUTO else gamma
         requests = []
         for prompt, p in zip(prompts, param_list):
             ids = self.tokenize(prompt)
-            needed = len(ids) + p.max_new_tokens + gamma
+            needed = len(ids) + p.max_new_tokens + reach
             if needed > self.max_context:
+                drafts = f"{reach} drafts (num_draft_tokens auto)" if gamma == AUTO else f"num_draft_tokens {gamma}"
                 raise ContextOverflowError(
-                    f"the prompt's {len(ids)} tokens + max_new_tokens {p.max_new_tokens} + num_draft_tokens "
-                    f"{gamma} need {needed} positions, more than the max context {self.max_context}: shorten "
+                    f"the prompt's {len(ids)} tokens + max_new_tokens {p.max_new_tokens} + {drafts} "
+                    f"need {needed} positions, more than the max context {self.max_context}: shorten "
                     "the prompt or lower max_new_tokens"
                 )
             requests.append(_Request(ids, p, TextTracker(self.tokenizer, p.stop), self.eos_token_ids))
         return requests, BatchSampler(param_list, self.target.device), gamma
 
-    def _rounds(self, requests: list[_Request], sampler: BatchSampler, gamma: int) -> Iterator[list[_Request]]:
+    @property
+    def max_auto_draft(self) -> int:
+        """Longest draft "auto" may choose: the engine's verify limit, else ``AUTO_MAX_DRAFT_TOKENS``."""
+        built_for = self.target.max_draft_len
+        return AUTO_MAX_DRAFT_TOKENS if built_for is None else built_for
+
+    def _rounds(self, requests: list[_Request], sampler: BatchSampler, gamma: DraftLength) -> Iterator[list[_Request]]:
         """Run a batch to completion, yielding after the first token and after every round."""
         start = time.perf_counter()
         prompts, lengths = _right_pad([r.sequence for r in requests])
@@ -265,20 +308,26 @@ class SpeculativeDecoder:
             self.drafter.begin(prompts, lengths)
         draft_prefill_s = time.perf_counter() - tick
         draft_s = verify_s = 0.0
+        schedule = DraftLengthController(self.max_auto_draft, len(requests)) if gamma == AUTO else None
+        threshold = self.draft_confidence_threshold if gamma == AUTO else 0.0  # fixed gamma: exactly gamma
         while not all(r.finished for r in requests):
             # Finished rows stay in the batch, frozen: they re-run the same positions and are ignored.
-            num_drafts = min(gamma, max(r.remaining for r in requests if not r.finished) - 1)
+            active = [not r.finished for r in requests]
+            usable = max(r.remaining for r in requests if not r.finished) - 1
+            num_drafts = schedule.choose(active, usable) if schedule else min(gamma, usable)
             sequences = [r.sequence for r in requests]
             tick = time.perf_counter()
-            draft = self._draft(sequences, num_drafts, sampler)
+            draft = self._draft(sequences, num_drafts, sampler, threshold)
             tock = time.perf_counter()
             self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
             last = torch.tensor([s[-1:] for s in sequences], device=self.target.device)
             target_probs = sampler.probs(self.target.forward(torch.cat([last, draft.token_ids.to(last.device)], 1)))
             output, num_accepted = rejection_sample(draft.token_ids, draft.probs, target_probs, sampler.generators)
             output, num_accepted = output.tolist(), num_accepted.tolist()  # the round's one host sync
-            draft_s += tock - tick
-            verify_s += time.perf_counter() - tock
+            done = time.perf_counter()
+            draft_s, verify_s = draft_s + tock - tick, verify_s + done - tock
+            if schedule:
+                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock)
             for request, row, accepted in zip(requests, output, num_accepted):
                 if not request.finished:
                     request.stats.record_round(draft.num_tokens, accepted)
@@ -294,10 +343,10 @@ class SpeculativeDecoder:
                 total_s,
             )
 
-    def _draft(self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler) -> Draft:
+    def _draft(self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler, threshold: float) -> Draft:
         if num_drafts <= 0:
             return Draft(torch.zeros(len(sequences), 0, dtype=torch.int64, device=self.target.device), None)
-        return self.drafter.propose(sequences, num_drafts, sampler)
+        return self.drafter.propose(sequences, num_drafts, sampler, threshold)
 
 
 def _right_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

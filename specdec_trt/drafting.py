@@ -3,6 +3,11 @@
 A drafter sees the committed sequences (prompt + accepted output, whose last token is not yet in any
 cache) and returns the drafted ids with the distributions they were sampled from (None when the drafts
 are deterministic, as for prompt lookup or an all-greedy batch: q is then one-hot on the drafted token).
+
+A model drafter may stop early inside a round when its own confidence falls below a threshold. This keeps
+decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits (and on
+the committed prefix), never on the target, so every drafted token is still a sample from the q it
+reports, and the rejection sampler's guarantee holds for any draft length chosen that way.
 """
 
 from __future__ import annotations
@@ -39,23 +44,35 @@ class Drafter(Protocol):
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Start a batch from right-padded prompts [B, T] with real lengths [B]."""
 
-    def propose(self, sequences: Sequence[Sequence[int]], num_tokens: int, sampler: BatchSampler) -> Draft:
-        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence."""
+    def propose(
+        self,
+        sequences: Sequence[Sequence[int]],
+        num_tokens: int,
+        sampler: BatchSampler,
+        confidence_threshold: float = 0.0,
+    ) -> Draft:
+        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence. A drafter with its own
+        distribution stops after a token whose probability under the draft (softmax of its raw logits) is
+        below ``confidence_threshold`` in every row, keeping that token; 0 never stops early."""
 
 
 class ModelDrafter:
     """Drafts by sampling autoregressively from a small model's engine, with the request's warping.
 
-    Cache bookkeeping: the committed sequence's last two tokens are fed at the start of every round. The
-    newest one is in no cache yet; the one before it is in the draft cache unless the previous round
-    accepted every draft (the draft never ran on its own last token). Re-feeding it rewrites the same
-    keys and values at the same position, so one code path serves both cases with no branch per row.
+    Cache bookkeeping: the drafter remembers, per row, how many committed tokens its cache held after the
+    last round and which drafts it wrote after them. At the next round the drafts that were accepted are
+    still valid; every committed token after them is fed in one forward (usually the newest token, or the
+    last two when every draft was accepted and the draft never ran on its own last token; more after plain
+    rounds that drafted nothing). Rows feed one common width: a row needing fewer tokens re-feeds some it
+    has, which rewrites the same keys and values at the same positions, so there is no branch per row.
     """
 
     def __init__(self, engine: Engine, prompt_cache_from: Engine | None = None) -> None:
         self.engine = engine
         self.prompt_cache_from = prompt_cache_from
         self.max_context: int | None = engine.max_context
+        self._cached: list[int] = []  # per row: committed tokens in the cache at the end of the last round
+        self._fed = torch.zeros(0, 0, dtype=torch.int64)  # [B, k - 1]: the drafts written after them
 
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefill the draft, or, with ``prompt_cache_from`` (a self-draft sharing the target's cache
@@ -64,25 +81,70 @@ class ModelDrafter:
             self.engine.adopt_prompt_cache(self.prompt_cache_from)
         else:
             self.engine.prefill(prompt_ids, lengths)
+        self._cached = lengths.tolist()
+        self._fed = torch.zeros(len(lengths), 0, dtype=torch.int64)
 
-    def propose(self, sequences: Sequence[Sequence[int]], num_tokens: int, sampler: BatchSampler) -> Draft:
-        lengths = torch.tensor([len(s) for s in sequences])
-        self.engine.truncate(lengths - 2)
-        logits = self.engine.forward(torch.tensor([list(s[-2:]) for s in sequences]))[:, -1]
+    def propose(
+        self,
+        sequences: Sequence[Sequence[int]],
+        num_tokens: int,
+        sampler: BatchSampler,
+        confidence_threshold: float = 0.0,
+    ) -> Draft:
+        logits = self._catch_up(sequences)
         tokens, dists = [], []
         for i in range(num_tokens):
             probs = sampler.probs(logits.unsqueeze(1)).squeeze(1)
             token = sampler.sample(probs)
             tokens.append(token)
             dists.append(probs)
-            if i + 1 < num_tokens:
-                logits = self.engine.forward(token.unsqueeze(1))[:, 0]
+            if i + 1 == num_tokens or _unconfident(logits, token, confidence_threshold):
+                break  # an unconfident token is kept: its logits are paid for, and it may still be accepted
+            logits = self.engine.forward(token.unsqueeze(1))[:, 0]
         device = self.engine.device
         token_ids = (
             torch.stack(tokens, 1) if tokens else torch.zeros(len(sequences), 0, dtype=torch.int64, device=device)
         )
+        self._cached = [len(s) for s in sequences]
+        self._fed = token_ids[:, :-1]  # the last draft is in no cache
         probs = None if sampler.all_greedy or not dists else torch.stack(dists, 1)
         return Draft(token_ids, probs)
+
+    def _catch_up(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Feed each row the committed tokens its cache lacks; the logits after its last token [B, V]."""
+        lengths = [len(s) for s in sequences]
+        cached = self.engine.lengths.tolist()
+        fed = self._fed.tolist()  # the decoder has synchronised since these were drafted: no stall
+        valid = [
+            min(_matching_prefix(s, base, drafts), length - 1, in_cache)
+            for s, base, drafts, length, in_cache in zip(sequences, self._cached, fed, lengths, cached)
+        ]
+        width = max(length - v for length, v in zip(lengths, valid))
+        # A row shorter than the width (possible only for a finished, frozen row) starts at 0, padded.
+        starts = [max(length - width, 0) for length in lengths]
+        block = [list(s[start:]) + [s[-1]] * (start + width - len(s)) for s, start in zip(sequences, starts)]
+        self.engine.truncate(torch.tensor(starts))
+        logits = self.engine.forward(torch.tensor(block))
+        self.engine.truncate(torch.tensor(lengths))
+        last = torch.tensor([length - 1 - start for length, start in zip(lengths, starts)], device=logits.device)
+        return logits[torch.arange(len(sequences), device=logits.device), last]
+
+
+def _matching_prefix(sequence: Sequence[int], base: int, drafts: list[int]) -> int:
+    """Committed tokens in the cache: the ``base`` known ones, then the drafts the sequence went on with."""
+    count = 0
+    while count < len(drafts) and base + count < len(sequence) and sequence[base + count] == drafts[count]:
+        count += 1
+    return base + count
+
+
+def _unconfident(logits: torch.Tensor, token: torch.Tensor, threshold: float) -> bool:
+    """Whether every row's draft gave its drafted token a probability (softmax of the raw logits, not the
+    warped distribution) below ``threshold``; False when the threshold is 0 (one host sync otherwise)."""
+    if threshold <= 0:
+        return False
+    confidence = logits.float().softmax(-1).gather(1, token.unsqueeze(1))
+    return bool((confidence < threshold).all())
 
 
 class PromptLookupDrafter:
@@ -100,7 +162,14 @@ class PromptLookupDrafter:
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prompt lookup keeps no state between rounds."""
 
-    def propose(self, sequences: Sequence[Sequence[int]], num_tokens: int, sampler: BatchSampler) -> Draft:
+    def propose(
+        self,
+        sequences: Sequence[Sequence[int]],
+        num_tokens: int,
+        sampler: BatchSampler,
+        confidence_threshold: float = 0.0,
+    ) -> Draft:
+        """Prompt lookup has no distribution of its own: ``confidence_threshold`` is ignored."""
         proposals = [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
         width = max(len(p) for p in proposals)
         # Rows with shorter matches are padded; any deterministic draft is lossless, padding only costs

@@ -54,6 +54,11 @@ class GenerationStats:
         return (self.accepted_tokens + self.rounds) / self.rounds if self.rounds else 0.0
 
     @property
+    def drafts_per_round(self) -> float:
+        """Mean drafts per verify pass (varies per round with num_draft_tokens="auto")."""
+        return self.drafted_tokens / self.rounds if self.rounds else 0.0
+
+    @property
     def per_position_acceptance(self) -> list[float]:
         """Fraction of rounds that drafted position i in which that draft was accepted."""
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
@@ -76,6 +81,7 @@ class GenerationStats:
         derived = (
             "acceptance_rate",
             "mean_accepted_tokens",
+            "drafts_per_round",
             "per_position_acceptance",
             "tokens_per_s",
             "draft_ms_per_round",

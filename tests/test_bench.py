@@ -16,12 +16,14 @@ from click.testing import CliRunner
 
 from build_engines.checkpoint import default_model_path, load_tokenizer
 from specdec_trt.bench import methods as bench_methods
-from specdec_trt.bench.cli import bench
+from specdec_trt.bench.cli import bench, peer_lengths
 from specdec_trt.bench.harness import SCHEMA
-from specdec_trt.bench.methods import OURS, TRANSFORMERS, Method
+from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
+from specdec_trt.bench.report import auto_table
 from specdec_trt.bench.suites import SUITES, SuiteError, load_suite
 from specdec_trt.bench.summary import summarise
 from specdec_trt.build import BuildRequest, build
+from specdec_trt.decoder import AUTO
 
 SIZE = {"hidden_size": 64, "head_dim": 16}  # exportable to ONNX (head_dim % 16 == 0)
 PROMPTS = [
@@ -174,6 +176,52 @@ def test_summary_reports_a_speculative_output_that_differs_from_plain() -> None:
     assert rows[plain.name]["same_tokens_as_plain"] is True
 
 
+def test_auto_is_named_and_matched_with_transformers_heuristic_schedule() -> None:
+    assert Method(OURS, "int4", AUTO).name == "int4 auto"
+    assert Method(TRANSFORMERS, "small", HEURISTIC).name == "transformers assisted small heuristic"
+    assert not Method(OURS, "int4", AUTO).is_fixed and Method(OURS, "int4", 3).is_fixed
+    assert peer_lengths((1, AUTO, 4)) == (1, 4, HEURISTIC) and peer_lengths((2, 3)) == (2, 3)
+    plain, auto, peer = Method(OURS, None), Method(OURS, "d", AUTO), Method(TRANSFORMERS, "d", HEURISTIC)
+    runs = [
+        run(plain.name, "a", 1.1, 0.1),
+        run(auto.name, "a", 0.6, 0.1, **SPEC),
+        run(peer.name, "a", 1.2, 0.1),
+    ]
+    row = {r["method"]: r for r in summarise(runs, [plain, auto, peer])}[auto.name]
+    assert row["num_draft_tokens"] == AUTO and row["drafts_per_round"] == pytest.approx(2.0)
+    assert row["speedup_vs_transformers_peer"] == pytest.approx(1.2 / 0.6)  # against the heuristic schedule
+
+
+def test_auto_table_compares_with_the_best_fixed_gamma() -> None:
+    """Per suite, temperature and draft: the fixed gamma with the most tok/s, auto's tok/s and the ratio."""
+
+    def row(draft, k, tokens_per_s, suite="s", family=OURS, drafts_per_round=None) -> dict:
+        name = Method(family, draft, k).name
+        return {"suite": suite, "temperature": 0.0, "method": name, "family": family, "draft": draft} | {
+            "num_draft_tokens": k,
+            "tokens_per_s": tokens_per_s,
+            "drafts_per_round": drafts_per_round,
+        }
+
+    summary = [
+        row(None, 0, 10.0),
+        row("d", 1, 12.0),
+        row("d", 4, 15.0),
+        row("d", 8, 14.0),
+        row("d", AUTO, 15.3, drafts_per_round=3.4),
+        row("n", 2, 20.0),
+        row("n", AUTO, 19.0, drafts_per_round=5.0),
+        row("d", HEURISTIC, 9.0, family=TRANSFORMERS),
+        row("d", 4, 30.0, suite="other"),  # another suite: not a candidate for suite s
+    ]
+    lines = auto_table(summary).splitlines()
+    assert lines[0].startswith("| suite | sampling | draft | best fixed gamma | its tok/s | auto tok/s |")
+    assert lines[2] == "| s | greedy | d | k=4 | 15.0 | 15.3 | 1.020 | 3.40 | 9.0 |"
+    assert lines[3] == "| s | greedy | n | k=2 | 20.0 | 19.0 | 0.950 | 5.00 | - |"
+    assert len(lines) == 4
+    assert auto_table([r for r in summary if r["num_draft_tokens"] != AUTO]) == ""
+
+
 # --- whole runs -------------------------------------------------------------------------------------------
 
 
@@ -274,6 +322,42 @@ def test_every_method_runs_on_checkpoints(models: dict[str, Path], suite_file: P
     assert again.read_text() == document  # regenerated from the JSON alone, nothing measured
 
 
+def test_auto_and_transformers_heuristic_schedule_run(
+    models: dict[str, Path], suite_file: Path, tmp_path: Path
+) -> None:
+    """-k 1,auto with --peer-num-draft-tokens 1,heuristic: ours at k=1 and auto for a draft checkpoint and
+    prompt lookup; transformers' assisted generation at k=1 and with its heuristic schedule (prompt lookup
+    has none: k=1 only). The report compares auto with the best fixed gamma."""
+    out, document = tmp_path / "bench.json", tmp_path / "BENCHMARKS.md"
+    code, output = invoke(
+        *("--target", str(models["target"]), "--draft", str(models["draft"]), "--draft", "ngram"),
+        *("--suite", str(suite_file), "-k", "1,auto", "--peer-num-draft-tokens", "1,heuristic", "-n", "6"),
+        *("--repeats", "1", "--out", str(out), "--markdown", str(document)),
+    )
+    assert code == 0, output
+    draft = models["draft"].name
+    methods = ["plain", f"{draft} k=1", f"{draft} auto", "ngram k=1", "ngram auto", "transformers generate"]
+    methods += [f"transformers assisted {draft} k=1", f"transformers assisted {draft} heuristic"]
+    methods += ["transformers prompt-lookup k=1"]
+    data = json.loads(out.read_text())
+    check_schema(data, methods, settings=1, prompts=2, repeats=1)
+    assert data["config"]["num_draft_tokens"] == [1, AUTO]
+    assert all(r["same_tokens_as_plain"] for r in data["runs"] if not r["method"].startswith("transformers"))
+    rows = {r["method"]: r for r in data["summary"]}
+    auto = rows[f"{draft} auto"]
+    assert auto["num_draft_tokens"] == AUTO and 0 < auto["drafts_per_round"] <= 8
+    assert auto["ideal_speedup"] > 0 and auto["speedup_vs_transformers_peer"] > 0  # vs the heuristic schedule
+    assert rows["ngram auto"]["speedup_vs_transformers_peer"] is None  # transformers' prompt lookup has none
+    assert rows[f"transformers assisted {draft} heuristic"]["tau"] >= 1
+    table = f"| tiny | greedy | {draft} | k=1 | {rows[f'{draft} k=1']['tokens_per_s']:.1f} | "
+    table += f"{auto['tokens_per_s']:.1f} | {auto['tokens_per_s'] / rows[f'{draft} k=1']['tokens_per_s']:.3f} |"
+    assert "### auto vs the best fixed gamma" in output and table in output
+    assert "## Auto draft length vs the best fixed gamma" in document.read_text() and table in document.read_text()
+    assert (tmp_path / "bench-plots" / "speedup_vs_gamma.png").read_bytes().startswith(PNG_SIGNATURE)
+    code, rendered = invoke("--from-json", str(out), "--plots-dir", str(tmp_path / "again"))
+    assert code == 0 and table in rendered
+
+
 def test_engines_backend_runs_every_kind_of_draft(engines: Path, suite_file: Path, tmp_path: Path) -> None:
     """ONNX Runtime engines with their int4 self-draft, another engine directory as the draft, and prompt
     lookup; transformers runs the checkpoints they were built from, the draft's as assistant_model."""
@@ -359,7 +443,18 @@ def test_bad_settings_are_refused_before_timing(
     assert not out.exists()
 
 
-@pytest.mark.parametrize(("option", "value"), [("-k", "2,x"), ("-k", "0"), ("-t", "-1"), ("-t", "")])
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("-k", "2,x"),
+        ("-k", "0"),
+        ("-k", "2,automatic"),
+        ("-k", "heuristic"),
+        ("--peer-num-draft-tokens", "auto"),
+        ("-t", "-1"),
+        ("-t", ""),
+    ],
+)
 def test_bad_number_lists_are_usage_errors(option: str, value: str) -> None:
     code, output = invoke(option, value)
     assert code == 2 and "Invalid value" in output
@@ -371,13 +466,15 @@ def test_every_method_runs_on_cuda(models: dict[str, Path], suite_file: Path, tm
     out = tmp_path / "bench.json"
     code, output = invoke(
         *("--target", str(models["target"]), "--draft", str(models["draft"]), "--draft", "ngram"),
-        *("--device", "cuda", "--suite", str(suite_file), "-k", "2", "-n", "6", "--repeats", "1", "--out", str(out)),
+        *("--device", "cuda", "--suite", str(suite_file), "-k", "2,auto", "-n", "6", "--repeats", "1"),
+        *("--out", str(out)),
     )
     assert code == 0, output
     data = json.loads(out.read_text())
     draft = models["draft"].name
-    methods = ["plain", f"{draft} k=2", "ngram k=2", "transformers generate"]
-    methods += [f"transformers assisted {draft} k=2", "transformers prompt-lookup k=2"]
+    methods = ["plain", f"{draft} k=2", f"{draft} auto", "ngram k=2", "ngram auto", "transformers generate"]
+    methods += [f"transformers assisted {draft} k=2", f"transformers assisted {draft} heuristic"]
+    methods += ["transformers prompt-lookup k=2"]
     check_schema(data, methods, settings=1, prompts=2, repeats=1)
     assert data["environment"]["device"] != "cpu"
     assert all(r["same_tokens_as_plain"] for r in data["runs"] if not r["method"].startswith("transformers"))

@@ -45,6 +45,26 @@ def test_json_output(target, make_checkpoint) -> None:
     assert 0 <= data["stats"]["acceptance_rate"] <= 1 and data["stats"]["drafted_tokens"] > 0
 
 
+def test_auto_draft_length(target, make_checkpoint) -> None:
+    """-k auto: the JSON says "auto" and how many drafts a round made on average; greedy output is the plain
+    output; the streamed table shows k=auto and the drafts per round."""
+    draft = make_checkpoint(draft_of=({"family": "qwen3"}, 0.1), seed=4)
+    common = ("--target", str(target), "-n", "16", "--json", "abc")
+    result = invoke("--draft", str(draft), "-k", "auto", *common)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["num_draft_tokens"] == "auto"
+    stats = data["stats"]
+    assert stats["drafted_tokens"] > 0 and stats["rounds"] > 0
+    assert stats["drafts_per_round"] == pytest.approx(stats["drafted_tokens"] / stats["rounds"])
+    plain = json.loads(invoke("--draft", "none", *common).stdout)
+    assert data["token_ids"] == plain["token_ids"]
+    streamed = invoke("--target", str(target), "--draft", str(draft), "--num-draft-tokens", "auto", "-n", "16", "abc")
+    assert streamed.exit_code == 0, streamed.output
+    assert streamed.stdout == data["text"] + "\n"
+    assert "k=auto" in streamed.stderr and "drafts per round" in streamed.stderr
+
+
 def test_plain_decoding_and_prompt_from_stdin(target) -> None:
     result = invoke("--target", str(target), "--draft", "none", "-n", "5", "--json", "-", input="hello")
     assert result.exit_code == 0, result.output
@@ -71,6 +91,9 @@ def test_chat_template(target) -> None:
         (["--max-context", "16", "-n", "20", "x"], 1, "max context"),
         (["-n", "4", ""], 1, "prompt is empty"),
         (["--device", "tpu9", "x"], 1, "not a torch device"),
+        (["-k", "automatic", "x"], 2, "'automatic' is neither a draft length (an integer from 0 to 64) nor 'auto'"),
+        (["-k", "65", "x"], 2, "neither a draft length"),
+        (["--num-draft-tokens", "-1", "x"], 2, "neither a draft length"),
     ],
 )
 def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message: str) -> None:

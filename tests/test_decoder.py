@@ -142,11 +142,17 @@ def test_cuda_without_a_cuda_device_is_a_clear_error(make_checkpoint) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_engine_gives_the_cpu_engine_output(make_checkpoint) -> None:
-    """The same code on a CUDA device: greedy speculative output equals the CPU engine's plain output."""
+    """The same code on a CUDA device: greedy speculative output equals the CPU engine's plain output, with
+    fixed draft lengths and with "auto"."""
     target = make_checkpoint(family="qwen2")
     draft = make_checkpoint(draft_of=({"family": "qwen2"}, 0.1), seed=6)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     cpu = SpeculativeDecoder.from_pretrained(target, None, max_context=64).generate("hello world", params)
     cuda = SpeculativeDecoder.from_pretrained(target, draft, max_context=64, device="cuda")
-    for gamma in (0, 1, 4):
+    for gamma in (0, 1, 4, "auto"):
         assert cuda.generate("hello world", params, num_draft_tokens=gamma).token_ids == cpu.token_ids
+    cuda.draft_confidence_threshold = 0.9  # "auto" with most rounds cut short by the draft's confidence
+    outs = cuda.generate_batch(["hello world", "a"], params, num_draft_tokens="auto")
+    assert outs[0].token_ids == cpu.token_ids and all(o.stats.drafted_tokens > 0 for o in outs)
+    sampled = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)
+    assert len(cuda.generate("hello world", sampled, num_draft_tokens="auto").token_ids) == 32

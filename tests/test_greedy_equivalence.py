@@ -1,14 +1,20 @@
 """Trap 1 (KV bookkeeping) and trap 3 (EOS / stop strings inside an accepted block): greedy speculative
-output equals target-only greedy output on the same engine, token for token, for every draft length."""
+output equals target-only greedy output on the same engine, token for token, for every draft length,
+and with the draft length chosen per round ("auto"), plain rounds included."""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
 
 import pytest
 from conftest import FAMILIES
 
+import specdec_trt.decoder
 from build_engines.checkpoint import load_checkpoint
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.decoder import AUTO, DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
 from specdec_trt.drafting import ModelDrafter
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
@@ -61,6 +67,90 @@ def test_speculative_greedy_equals_target_only(family: str, kind: str, make_chec
     target = make_checkpoint(family=family)
     decoder = SpeculativeDecoder.from_pretrained(target, _draft_path(make_checkpoint, family, kind), max_context=96)
     assert assert_greedy_lossless(decoder, kind, PROMPTS, GREEDY, MAX_DRAFT) > 0
+
+
+def assert_auto_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[str], params: SamplingParams) -> int:
+    """With num_draft_tokens="auto", at the default confidence threshold and at 0.9 (which cuts most rounds
+    short), batched and alone, the output is the target-only greedy output. Returns the drafted tokens."""
+    baseline = decoder.generate_batch(prompts, params, num_draft_tokens=0)
+    drafted = 0
+    try:
+        for threshold in (DEFAULT_DRAFT_CONFIDENCE_THRESHOLD, 0.9):
+            decoder.draft_confidence_threshold = threshold
+            batched = decoder.generate_batch(prompts, params, num_draft_tokens=AUTO)
+            assert [o.token_ids for o in batched] == [o.token_ids for o in baseline], f"threshold {threshold}"
+            assert [o.text for o in batched] == [o.text for o in baseline]
+            single = decoder.generate(prompts[-1], params, num_draft_tokens=AUTO)
+            assert single.token_ids == baseline[-1].token_ids, f"threshold {threshold} (alone)"
+            drafted += sum(o.stats.drafted_tokens for o in batched)
+    finally:
+        decoder.draft_confidence_threshold = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
+    return drafted
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_auto_greedy_equals_target_only(family: str, kind: str, make_checkpoint) -> None:
+    target = make_checkpoint(family=family)
+    decoder = SpeculativeDecoder.from_pretrained(target, _draft_path(make_checkpoint, family, kind), max_context=96)
+    assert assert_auto_greedy_lossless(decoder, PROMPTS, GREEDY) > 0
+
+
+SCRIPT = (3, 0, 0, 0, 2, 0, 5, 1, 0, 0, 4, 8, 0, 0, 0, 1)  # runs of plain rounds the draft never sees
+
+
+class ScriptedSchedule:
+    """Stands in for the "auto" controller: a fixed cycle of draft lengths with runs of plain rounds, so
+    the draft's catch-up on rounds it did not run is exercised deterministically."""
+
+    def __init__(self, max_draft: int, batch_size: int) -> None:
+        self.max_draft, self.round = max_draft, 0
+
+    def choose(self, active: Sequence[bool], remaining: int) -> int:
+        self.round += 1
+        return min(SCRIPT[(self.round - 1) % len(SCRIPT)], self.max_draft, remaining)
+
+    def observe(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def scripted_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(specdec_trt.decoder, "DraftLengthController", ScriptedSchedule)
+
+
+def assert_scripted_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[str], params: SamplingParams) -> None:
+    """Under the scripted schedule: the target-only greedy output, batched, alone, and in a batch whose first
+    row stops after its first token (its frozen sequence is then shorter than the tokens the other rows'
+    draft cache lacks after a run of plain rounds, so it is fed padded)."""
+    baseline = decoder.generate_batch(prompts, params, num_draft_tokens=0)
+    batched = decoder.generate_batch(prompts, params, num_draft_tokens=AUTO)
+    assert [o.token_ids for o in batched] == [o.token_ids for o in baseline]
+    assert all(o.stats.rounds > 4 for o in batched), "the script's first plain rounds should be followed by drafts"
+    single = decoder.generate(prompts[0], params, num_draft_tokens=AUTO)
+    assert single.token_ids == baseline[0].token_ids
+    short = [dataclasses.replace(params, max_new_tokens=1)] + [params] * len(prompts)
+    engine = getattr(decoder.drafter, "engine", None)
+    widths: list[int] = []
+    if engine is not None:
+        forward = engine.forward
+        engine.forward = lambda ids: (widths.append(ids.shape[1]), forward(ids))[1]
+    try:
+        mixed = decoder.generate_batch(["a"] + prompts, short, num_draft_tokens=AUTO)
+    finally:
+        if engine is not None:
+            del engine.forward
+    assert len(mixed[0].token_ids) == 1
+    assert [o.token_ids for o in mixed[1:]] == [o.token_ids for o in baseline]
+    if engine is not None:
+        assert max(widths) > len(decoder.tokenize("a")) + 1, widths  # the padded catch-up ran
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_plain_rounds_keep_the_draft_cache_right(kind: str, make_checkpoint, scripted_schedule) -> None:
+    target = make_checkpoint(family="qwen3")
+    decoder = SpeculativeDecoder.from_pretrained(target, _draft_path(make_checkpoint, "qwen3", kind), max_context=96)
+    assert_scripted_greedy_lossless(decoder, PROMPTS, GREEDY)
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,15 @@ compares the counts with the exact distribution. The reference is computed indep
 transformers' own model forward and its logits warpers.
 
 Every test has a negative control: a deliberately broken pipeline that the same test must reject.
+
+With num_draft_tokens="auto" the draft length of each round follows measured timings; those tests read a
+clock that advances a fixed step per reading (``steady_clock``), so they are repeatable too.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,8 +30,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+import specdec_trt.decoder
 import specdec_trt.rejection
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
 from specdec_trt.drafting import Draft, ModelDrafter, PromptLookupDrafter
 from specdec_trt.loading import load_engines
 from specdec_trt.sampling import BatchSampler
@@ -37,6 +43,8 @@ DEPTH = 3  # generated tokens whose joint distribution is tested: VOCAB ** DEPTH
 PROMPT = [1, 5, 3, 6, 1, 5]
 RUNS = 24_000
 MAX_CONTEXT = 16  # prompt + 3 tokens + 3 drafts + slack: keeps the batch's KV cache small
+AUTO_EXTRA = 3  # with "auto", tokens generated past DEPTH, so that rounds can draft several tokens
+AUTO_CONTEXT = len(PROMPT) + DEPTH + AUTO_EXTRA + AUTO_MAX_DRAFT_TOKENS  # "auto" reserves up to 8 drafts
 PASS_P = 1e-3  # a correct pipeline passes (fixed seeds: deterministic)
 REJECT_P = 1e-6  # a broken one must be rejected this clearly
 
@@ -94,11 +102,12 @@ def exact_joint(model: torch.nn.Module, params: SamplingParams) -> np.ndarray:
 
 
 def pipeline_counts(
-    decoder: SpeculativeDecoder, params: SamplingParams, gamma: int, runs: int = RUNS
+    decoder: SpeculativeDecoder, params: SamplingParams, gamma: DraftLength, runs: int = RUNS
 ) -> tuple[np.ndarray, list]:
     """Counts of the first DEPTH tokens over ``runs`` seeded requests, run as one batch."""
+    extra = AUTO_EXTRA if gamma == AUTO else gamma
     requests = [
-        dataclasses.replace(params, seed=seed, max_new_tokens=DEPTH + gamma, ignore_eos=True) for seed in range(runs)
+        dataclasses.replace(params, seed=seed, max_new_tokens=DEPTH + extra, ignore_eos=True) for seed in range(runs)
     ]
     outputs = decoder.generate_batch([PROMPT] * runs, requests, num_draft_tokens=gamma)
     codes = [int(np.ravel_multi_index(out.token_ids[:DEPTH], (VOCAB,) * DEPTH)) for out in outputs]
@@ -121,15 +130,23 @@ class UnwarpedQDrafter(ModelDrafter):
     """Negative control (trap 2): samples drafts from the warped distribution but reports the unwarped
     softmax as q, so the sampler divides by a distribution that was never sampled from."""
 
-    def propose(self, sequences, num_tokens: int, sampler: BatchSampler) -> Draft:
-        self.engine.truncate(torch.tensor([len(s) for s in sequences]) - 2)
-        logits = self.engine.forward(torch.tensor([list(s[-2:]) for s in sequences]))[:, -1]
-        tokens, reported = [], []
-        for _ in range(num_tokens):
-            tokens.append(sampler.sample(sampler.probs(logits.unsqueeze(1)).squeeze(1)))
-            reported.append(logits.softmax(-1))
-            logits = self.engine.forward(tokens[-1].unsqueeze(1))[:, 0]
-        return Draft(torch.stack(tokens, 1), torch.stack(reported, 1))
+    def propose(self, sequences, num_tokens: int, sampler: BatchSampler, confidence_threshold: float = 0.0) -> Draft:
+        return super().propose(sequences, num_tokens, _ReportsUnwarped(sampler), confidence_threshold)
+
+
+class _ReportsUnwarped:
+    """A sampler whose ``probs`` are the unwarped softmax, while ``sample`` draws from the warped ones."""
+
+    def __init__(self, sampler: BatchSampler) -> None:
+        self.sampler, self.all_greedy = sampler, sampler.all_greedy
+        self.warped: torch.Tensor | None = None
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        self.warped = self.sampler.probs(logits)
+        return logits.softmax(-1)
+
+    def sample(self, probs: torch.Tensor) -> torch.Tensor:
+        return self.sampler.sample(self.warped.reshape(probs.shape))
 
 
 def no_residual(num_accepted, draft_token_ids, draft_probs, target_probs) -> torch.Tensor:
@@ -189,3 +206,81 @@ def test_acceptance_rate_matches_theory(decoder, reference_models) -> None:
     accepted = sum(out.stats.accepted_tokens for out in outputs)
     assert 0.2 < expected < 0.9, "the draft should disagree with the target a lot, but not always"
     assert stats.binomtest(accepted, RUNS, expected).pvalue > PASS_P
+
+
+# --- num_draft_tokens="auto", with the draft's early stop -------------------------------------------------
+
+
+@pytest.fixture
+def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder's clock advances 1 ms per reading: auto's choices, and so the test, become repeatable."""
+    ticks = itertools.count()
+    monkeypatch.setattr(specdec_trt.decoder.time, "perf_counter", lambda: next(ticks) * 1e-3)
+
+
+def stopping_threshold(target: torch.nn.Module, draft: torch.nn.Module, params: SamplingParams) -> float:
+    """A confidence threshold that cuts the first round after its second draft, in a batch of RUNS rows:
+    below the best confidence of a first draft that some rows draw (with probability over 1e-3 each), and
+    above that of every second draft that can be drawn, so that every row is then unconfident. Drafts start
+    after the target's first token; confidence is the draft's unwarped softmax of the drafted token."""
+    first_tokens = reference_probs(target, [PROMPT], params)[0]
+    contexts = [(PROMPT + [t], float(first_tokens[t])) for t in range(VOCAB) if first_tokens[t] > 0]
+    best = []
+    for depth in range(2):
+        prefixes = [prefix for prefix, _ in contexts]
+        with torch.no_grad():
+            confidence = draft(torch.tensor(prefixes)).logits[:, -1].softmax(-1)
+        drawn = reference_probs(draft, prefixes, params)
+        paths = [(i, x, chance * float(drawn[i, x])) for i, (_, chance) in enumerate(contexts) for x in range(VOCAB)]
+        paths = [(i, x, chance) for i, x, chance in paths if chance > (1e-3 if depth == 0 else 0)]
+        best.append(max(float(confidence[i, x]) for i, x, _ in paths))
+        contexts = [(prefixes[i] + [x], chance) for i, x, chance in paths]
+    assert best[1] < best[0], f"this draft cannot be cut at its second token: {best}"
+    return sum(best) / 2
+
+
+def auto_decoder(checkpoints, threshold: float, unwarped_q: bool = False) -> SpeculativeDecoder:
+    """A decoder with num_draft_tokens="auto"; with ``unwarped_q`` its drafter is the broken UnwarpedQDrafter."""
+    _, engine, drafter = load_engines(*checkpoints, max_context=AUTO_CONTEXT)
+    drafter = UnwarpedQDrafter(drafter.engine) if unwarped_q else drafter
+    return SpeculativeDecoder(engine, drafter, num_draft_tokens=AUTO, draft_confidence_threshold=threshold)
+
+
+def spy_on_rounds(decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(drafts asked for, drafts made) of every round the decoder's drafter runs from now on."""
+    rounds = []
+    propose = decoder.drafter.propose
+
+    def spy(sequences, num_tokens, sampler, confidence_threshold=0.0):
+        draft = propose(sequences, num_tokens, sampler, confidence_threshold)
+        rounds.append((num_tokens, draft.num_tokens))
+        return draft
+
+    monkeypatch.setattr(decoder.drafter, "propose", spy)
+    return rounds
+
+
+@pytest.mark.parametrize("name", ["top_k", "top_p"])
+def test_auto_with_early_stop_is_lossless(name: str, checkpoints, reference_models, monkeypatch, steady_clock) -> None:
+    """The draft length chosen per round, and the first round cut short by the draft's confidence: still
+    the target's exact distribution. Then the same run with the residual broken must be rejected."""
+    params = WARPINGS[name]
+    decoder = auto_decoder(checkpoints, threshold=stopping_threshold(*reference_models, params))
+    rounds = spy_on_rounds(decoder, monkeypatch)
+    probs = exact_joint(reference_models[0], params)
+    counts, outputs = pipeline_counts(decoder, params, AUTO)
+    assert rounds[0] == (4, 2), f"the first round should ask for 4 drafts and stop after 2: {rounds}"
+    assert sum(o.stats.accepted_tokens for o in outputs) > RUNS / 4
+    assert chi_square_p(counts, probs) > PASS_P
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    broken_counts, _ = pipeline_counts(decoder, params, AUTO)
+    assert chi_square_p(broken_counts, probs) < REJECT_P
+
+
+def test_auto_with_unwarped_draft_probs_is_caught(checkpoints, reference_models, monkeypatch, steady_clock) -> None:
+    params = WARPINGS["top_k"]
+    broken = auto_decoder(checkpoints, stopping_threshold(*reference_models, params), unwarped_q=True)
+    rounds = spy_on_rounds(broken, monkeypatch)
+    counts, _ = pipeline_counts(broken, params, AUTO)
+    assert rounds[0] == (4, 2)
+    assert chi_square_p(counts, exact_joint(reference_models[0], params)) < REJECT_P

@@ -22,7 +22,12 @@ from click.testing import CliRunner
 from conftest import FAMILIES
 from onnx import numpy_helper
 from test_build import SIZE, build_all
-from test_greedy_equivalence import assert_greedy_lossless
+from test_greedy_equivalence import (
+    assert_auto_greedy_lossless,
+    assert_greedy_lossless,
+    assert_scripted_greedy_lossless,
+    scripted_schedule,  # noqa: F401 - a fixture
+)
 from test_losslessness import PASS_P, REJECT_P, VOCAB, WARPINGS, chi_square_p, exact_joint, no_residual, pipeline_counts
 from transformers import AutoModelForCausalLM
 
@@ -219,6 +224,27 @@ def test_speculative_greedy_equals_target_only(family: str, kind: str, engine_di
     decoder = decoder_for(kind, family, engine_dirs)
     assert isinstance(decoder.target, OrtEngine)
     assert assert_greedy_lossless(decoder, kind, PROMPTS, GREEDY, MAX_DRAFT_LEN) > 0
+
+
+@pytest.mark.parametrize(
+    ("family_name", "kind"),
+    [("llama", "agrees_often"), ("qwen3", "agrees_rarely"), ("mistral", "ngram"), ("qwen2", "agrees_often")],
+)
+def test_auto_greedy_equals_target_only(family_name: str, kind: str, engine_dirs: dict[str, Path]) -> None:
+    """num_draft_tokens="auto" on ONNX engines: up to the engines' 8 drafts, early stops included."""
+    decoder = decoder_for(kind, family_name, engine_dirs)
+    assert decoder.max_auto_draft == MAX_DRAFT_LEN
+    assert assert_auto_greedy_lossless(decoder, PROMPTS, GREEDY) > 0
+
+
+@pytest.mark.usefixtures("scripted_schedule")
+@pytest.mark.parametrize("kind", ["agrees_often", "int4"])
+def test_plain_rounds_keep_the_draft_cache_right(kind: str, engine_dirs: dict[str, Path]) -> None:
+    """Runs of plain rounds the draft never sees, on a separate draft engine and on the int4 self-draft
+    started from the target's prompt cache."""
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["llama" if kind == "agrees_often" else "int4"])
+    assert isinstance(decoder.drafter.engine, OrtEngine)
+    assert_scripted_greedy_lossless(decoder, PROMPTS, GREEDY)
 
 
 def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str, Path], make_checkpoint) -> None:

@@ -25,3 +25,5 @@ def test_record_round_counts_positions() -> None:
     assert stats.per_position_acceptance == pytest.approx([2 / 3, 1.0, 0.5])
     assert stats.acceptance_rate == pytest.approx(5 / 7)
     assert stats.mean_accepted_tokens == pytest.approx((5 + 3) / 3)
+    assert stats.drafts_per_round == pytest.approx(7 / 3)
+    assert stats.to_dict()["drafts_per_round"] == pytest.approx(7 / 3)

@@ -18,12 +18,21 @@ from runtime.ort_engine import PROVIDERS
 from specdec_trt.bench.backends import Backend, open_checkpoints, open_engines, open_transformers
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
-from specdec_trt.bench.methods import NGRAM, OURS, TRANSFORMERS, Method
+from specdec_trt.bench.methods import (
+    HEURISTIC,
+    HEURISTIC_CONFIDENCE,
+    HEURISTIC_START,
+    NGRAM,
+    OURS,
+    TRANSFORMERS,
+    Method,
+)
 from specdec_trt.bench.plots import write_plots
-from specdec_trt.bench.report import benchmarks_document, markdown_tables
+from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.bench.summary import summarise
 from specdec_trt.cli import DTYPES, check_backend_options, default_engines, engines_option
+from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
 from specdec_trt.loading import DRAFT_FROM_ENGINES
 
 
@@ -42,6 +51,32 @@ def _numbers(kind: type, minimum: float):
         return tuple(dict.fromkeys(numbers))
 
     return parse
+
+
+def _draft_lengths(schedule: str):
+    """A click callback parsing comma-separated draft lengths: integers >= 1, or the word ``schedule``."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple | None:
+        if value is None:
+            return None
+        lengths: list[DraftLength] = []
+        for item in (item.strip() for item in value.split(",")):
+            if item == schedule:
+                lengths.append(item)
+            elif item.isdigit() and int(item) >= 1:
+                lengths.append(int(item))
+            elif item:
+                raise click.BadParameter(f"{item!r} is neither a draft length (an integer >= 1) nor {schedule!r}")
+        if not lengths:
+            raise click.BadParameter(f"{value!r}: give one or more draft lengths")
+        return tuple(dict.fromkeys(lengths))
+
+    return parse
+
+
+def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
+    """transformers' default draft lengths: the integers of ours, and its HEURISTIC schedule beside AUTO."""
+    return tuple(k for k in gammas if k != AUTO) + ((HEURISTIC,) if AUTO in gammas else ())
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -76,14 +111,19 @@ def _numbers(kind: type, minimum: float):
     "-k",
     "gammas",
     default="1,2,3,4,6,8",
-    callback=_numbers(int, 1),
-    help="Draft lengths (gamma) to sweep, comma-separated.",
+    callback=_draft_lengths(AUTO),
+    help="Draft lengths (gamma) to sweep, comma-separated; 'auto' chooses gamma every round from the "
+    "acceptance and costs measured so far, and stops a round early when the draft is unconfident.",
 )
 @click.option(
     "--peer-num-draft-tokens",
     "peer_gammas",
-    callback=_numbers(int, 1),
-    help="Draft lengths for transformers' assisted generation and prompt lookup. [default: --num-draft-tokens]",
+    callback=_draft_lengths(HEURISTIC),
+    help="Draft lengths for transformers' assisted generation and prompt lookup; 'heuristic' is assisted "
+    f"generation with transformers' own schedule at its defaults (from {HEURISTIC_START} drafts, +2 after a round "
+    f"that accepted all, -1 otherwise, stopping below confidence {HEURISTIC_CONFIDENCE}), restarted per "
+    "request. Prompt lookup has no schedule: it skips 'heuristic'. [default: the integers of "
+    "--num-draft-tokens, and 'heuristic' when they include 'auto']",
 )
 @click.option(
     "--temperature",
@@ -145,8 +185,8 @@ def bench(
     drafts: tuple[str, ...],
     suites: tuple[str, ...],
     limit: int,
-    gammas: tuple[int, ...],
-    peer_gammas: tuple[int, ...] | None,
+    gammas: tuple[DraftLength, ...],
+    peer_gammas: tuple[DraftLength, ...] | None,
     temperatures: tuple[float, ...],
     max_new_tokens: int,
     repeats: int,
@@ -173,6 +213,7 @@ def bench(
     Examples:
       specdec-bench --suite code --suite summarisation --limit 5
       specdec-bench --draft int4 --draft ngram -k 1,2,4,8 -t 0,0.8 --out results/sweep.json
+      specdec-bench --target ./llama-1b --draft ./llama-160m -k 2,4,auto --peer-num-draft-tokens 4,heuristic
       specdec-bench --target model.gguf --device cuda --draft ngram
       specdec-bench --from-json results/bench.json --markdown docs/BENCHMARKS.md
     """
@@ -230,7 +271,10 @@ def bench(
                 )
                 peer_drafts = [d for d in backend.drafts if d == NGRAM or d in backend.draft_checkpoints]
                 methods.append(Method(TRANSFORMERS, None))
-                methods += [Method(TRANSFORMERS, d, k) for d in peer_drafts for k in peer_gammas or gammas]
+                lengths = peer_gammas or peer_lengths(gammas)
+                methods += [
+                    Method(TRANSFORMERS, d, k) for d in peer_drafts for k in lengths if d != NGRAM or k != HEURISTIC
+                ]
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     command = "specdec-bench " + shlex.join(sys.argv[1:])
@@ -271,12 +315,14 @@ def _measure(results: BenchResults, suites: list[Suite], runner_for: dict, encod
 
 def _check_fits(config: BenchConfig, suites: list[Suite], backend: Backend) -> None:
     """Refuse, before any timing, a draft length the engine cannot verify or a prompt that cannot fit."""
-    longest_draft = max(config.num_draft_tokens)
-    if backend.max_draft_len is not None and longest_draft > backend.max_draft_len:
+    fixed = [k for k in config.num_draft_tokens if k != AUTO]
+    if fixed and backend.max_draft_len is not None and max(fixed) > backend.max_draft_len:
         raise ValueError(
-            f"--num-draft-tokens {longest_draft} exceeds the {backend.max_draft_len} drafts the engines were "
+            f"--num-draft-tokens {max(fixed)} exceeds the {backend.max_draft_len} drafts the engines were "
             "built for: sweep fewer or rebuild with specdec-build --max-draft-len"
         )
+    auto_reach = [backend.max_draft_len or AUTO_MAX_DRAFT_TOKENS] if AUTO in config.num_draft_tokens else []
+    longest_draft = max(fixed + auto_reach)
     for suite in suites:
         for prompt in suite.prompts[: config.limit]:
             needed = len(backend.ours.encode(prompt)) + config.max_new_tokens + longest_draft
@@ -290,6 +336,9 @@ def _check_fits(config: BenchConfig, suites: list[Suite], backend: Backend) -> N
 def _write_outputs(data: dict, plots_dir: Path, markdown: Path | None, err: Console) -> None:
     """The tables on stdout, the plots, and the benchmarks document when asked for."""
     click.echo(markdown_tables(data["summary"]))
+    versus = auto_table(data["summary"])
+    if versus:
+        click.echo("### auto vs the best fixed gamma\n\n" + versus)
     plots = write_plots(data["summary"], plots_dir)
     if plots:
         err.print(f"Wrote the plots into {plots_dir}")

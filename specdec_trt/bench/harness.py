@@ -33,7 +33,7 @@ class BenchConfig:
     method and repeat); ``ignore_eos`` gives every method the same number of tokens."""
 
     suites: tuple[str, ...]
-    num_draft_tokens: tuple[int, ...]
+    num_draft_tokens: tuple[int | str, ...]  # integers and "auto"
     temperatures: tuple[float, ...]
     max_new_tokens: int = 128
     repeats: int = 3

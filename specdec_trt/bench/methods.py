@@ -4,6 +4,10 @@
 on the same target engine: the baseline). "transformers" methods are the peers on the same weights:
 ``generate``, assisted generation with ``assistant_model=`` and prompt lookup
 (``prompt_lookup_num_tokens=``), timed through a streamer that sees every verify pass.
+
+A draft length is a number of drafts per round, or a schedule: ``"auto"`` for ours (the draft length
+chosen each round from measured acceptance and costs) and ``"heuristic"`` for transformers' assisted
+generation (its own schedule and confidence cut-off, at transformers' defaults).
 """
 
 from __future__ import annotations
@@ -19,13 +23,19 @@ from transformers.generation.streamers import BaseStreamer
 
 from runtime.engine import Engine
 from specdec_trt.bench.suites import BenchPrompt
-from specdec_trt.decoder import SpeculativeDecoder
+from specdec_trt.decoder import DraftLength, SpeculativeDecoder
 from specdec_trt.drafting import Drafter
 from specdec_trt.sampling import SamplingParams
 
 OURS = "ours"
 TRANSFORMERS = "transformers"
 NGRAM = "ngram"
+HEURISTIC = "heuristic"
+# transformers' own defaults for assisted generation (GenerationConfig._get_default_generation_params in
+# transformers 5.x), set explicitly with the "heuristic" schedule: start at 20 drafts per round, +2 after
+# a round that accepted every draft, -1 otherwise (at least 1); stop drafting below confidence 0.4.
+HEURISTIC_START = 20
+HEURISTIC_CONFIDENCE = 0.4
 
 
 @dataclass(frozen=True)
@@ -34,16 +44,22 @@ class Method:
 
     family: str  # OURS or TRANSFORMERS
     draft: str | None
-    num_draft_tokens: int = 0
+    num_draft_tokens: DraftLength = 0  # an integer, AUTO (ours) or HEURISTIC (transformers' assisted)
 
     @property
     def name(self) -> str:
+        k = self.num_draft_tokens if isinstance(self.num_draft_tokens, str) else f"k={self.num_draft_tokens}"
         if self.family == OURS:
-            return "plain" if self.draft is None else f"{self.draft} k={self.num_draft_tokens}"
+            return "plain" if self.draft is None else f"{self.draft} {k}"
         if self.draft is None:
             return "transformers generate"
         kind = "prompt-lookup" if self.draft == NGRAM else f"assisted {self.draft}"
-        return f"transformers {kind} k={self.num_draft_tokens}"
+        return f"transformers {kind} {k}"
+
+    @property
+    def is_fixed(self) -> bool:
+        """Whether the method drafts a fixed number of tokens per round (not AUTO or HEURISTIC)."""
+        return not isinstance(self.num_draft_tokens, str)
 
     @property
     def is_baseline(self) -> bool:
@@ -149,7 +165,9 @@ class TransformersRunner:
     """transformers' own ``generate`` on the same weights: plain, with an assistant model, or prompt lookup.
 
     Assisted generation drafts a constant ``num_draft_tokens`` per round (no heuristic schedule, no
-    confidence cut-off) so that it is compared with our decoder at the same gamma."""
+    confidence cut-off) so that it is compared with our decoder at the same gamma; with HEURISTIC it runs
+    transformers' own schedule and confidence cut-off at their defaults, restarted for every request
+    (the "heuristic" schedule would otherwise carry its draft length from one request to the next)."""
 
     def __init__(
         self, model: PreTrainedModel, assistants: dict[str, PreTrainedModel], threads: int, eos_token_ids: Sequence[int]
@@ -174,13 +192,20 @@ class TransformersRunner:
                 kwargs["min_p"] = params.min_p
             torch.manual_seed(params.seed or 0)
         if method.draft == NGRAM:
+            if not method.is_fixed:
+                raise ValueError(f"transformers' prompt lookup has no {method.num_draft_tokens!r} schedule")
             kwargs["prompt_lookup_num_tokens"] = method.num_draft_tokens
         elif method.draft is not None:
-            assistant = self.assistants[method.draft]
-            assistant.generation_config.num_assistant_tokens = method.num_draft_tokens
-            assistant.generation_config.num_assistant_tokens_schedule = "constant"
-            assistant.generation_config.assistant_confidence_threshold = 0.0
-            kwargs["assistant_model"] = assistant
+            config = self.assistants[method.draft].generation_config
+            if method.num_draft_tokens == HEURISTIC:
+                config.num_assistant_tokens = HEURISTIC_START
+                config.num_assistant_tokens_schedule = HEURISTIC
+                config.assistant_confidence_threshold = HEURISTIC_CONFIDENCE
+            else:
+                config.num_assistant_tokens = method.num_draft_tokens
+                config.num_assistant_tokens_schedule = "constant"
+                config.assistant_confidence_threshold = 0.0
+            kwargs["assistant_model"] = self.assistants[method.draft]
         timer = _PassTimer()
         inputs = torch.tensor([prompt_ids], device=self.model.device)
         with torch_threads(self.threads):

@@ -1,4 +1,9 @@
-"""PNG plots of a benchmark summary: speedup vs gamma, per-position acceptance, measured vs ideal."""
+"""PNG plots of a benchmark summary: speedup vs gamma, per-position acceptance, measured vs ideal.
+
+Scheduled draft lengths (ours "auto", transformers' "heuristic") have no gamma: the speedup plot draws
+each as a horizontal dash-dot line in its draft's colour, the per-position plot leaves them out, and the
+measured-vs-ideal plot places them like any other point (their ideal uses the drafts actually made).
+"""
 
 from __future__ import annotations
 
@@ -31,13 +36,26 @@ def write_plots(summary: Sequence[dict], directory: Path) -> list[Path]:
     return [p for p in paths if p is not None]
 
 
+def _is_fixed(row: dict) -> bool:
+    """Whether the row drafts a fixed gamma (not a schedule such as "auto" or "heuristic")."""
+    return not isinstance(row["num_draft_tokens"], str)
+
+
+def _label(row: dict) -> str:
+    family = "ours" if row["family"] == OURS else "transformers"
+    return f"{family} {row['draft']} t={row['temperature']:g}"
+
+
 def _series(rows: Sequence[dict]) -> dict[str, list[dict]]:
-    """Rows grouped into lines: one per family, draft and temperature, sorted by gamma."""
+    """Rows grouped into lines: one per family, draft and temperature, sorted by gamma (schedules last)."""
     lines: dict[str, list[dict]] = defaultdict(list)
     for row in rows:
-        family = "ours" if row["family"] == OURS else "transformers"
-        lines[f"{family} {row['draft']} t={row['temperature']:g}"].append(row)
-    return {label: sorted(points, key=lambda r: r["num_draft_tokens"]) for label, points in lines.items()}
+        lines[_label(row)].append(row)
+    return {label: sorted(points, key=_gamma_order) for label, points in lines.items()}
+
+
+def _gamma_order(row: dict) -> tuple[bool, int]:
+    return not _is_fixed(row), row["num_draft_tokens"] if _is_fixed(row) else 0
 
 
 def _axes(count: int, title: str):
@@ -56,12 +74,19 @@ def _save(figure, path: Path) -> Path:
 def _speedup_vs_gamma(rows: Sequence[dict], suites: list[str], path: Path) -> Path:
     figure, axes = _axes(len(suites), "Speedup over plain decoding vs draft tokens per round")
     for ax, suite in zip(axes, suites):
-        for label, points in _series([r for r in rows if r["suite"] == suite]).items():
+        here = [r for r in rows if r["suite"] == suite]
+        colors = {}
+        for label, points in _series([r for r in here if _is_fixed(r)]).items():
             gammas = [p["num_draft_tokens"] for p in points]
             (line,) = ax.plot(gammas, [p["speedup_vs_plain"] for p in points], marker="o", label=label)
+            colors[label] = line.get_color()
             if points[0]["ideal_speedup"] is not None:
                 ideal = [p["ideal_speedup"] for p in points]
                 ax.plot(gammas, ideal, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{label} ideal")
+        for row in (r for r in here if not _is_fixed(r) and r["speedup_vs_plain"] is not None):
+            color = colors.setdefault(_label(row), _COLORS[len(colors) % len(_COLORS)])
+            label = f"{_label(row)} {row['num_draft_tokens']}"
+            ax.axhline(row["speedup_vs_plain"], linestyle="-.", color=color, linewidth=1.2, label=label)
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set(title=suite, xlabel="gamma")
         ax.legend(fontsize=6)
@@ -70,7 +95,7 @@ def _speedup_vs_gamma(rows: Sequence[dict], suites: list[str], path: Path) -> Pa
 
 
 def _per_position(rows: Sequence[dict], suites: list[str], path: Path) -> Path | None:
-    ours = [r for r in rows if r["family"] == OURS and r["per_position_acceptance"]]
+    ours = [r for r in rows if r["family"] == OURS and r["per_position_acceptance"] and _is_fixed(r)]
     if not ours:
         return None
     figure, axes = _axes(len(suites), "Acceptance by draft position (largest gamma)")

@@ -7,8 +7,9 @@ from collections.abc import Sequence
 from itertools import groupby
 from pathlib import Path
 
-from specdec_trt.bench.methods import OURS
+from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
 from specdec_trt.bench.summary import PLAIN, TRANSFORMERS_GENERATE
+from specdec_trt.decoder import AUTO
 
 _COLUMNS = (
     ("method", "method", "{}"),
@@ -18,6 +19,7 @@ _COLUMNS = (
     ("vs plain", "speedup_vs_plain", "{:.2f}x"),
     ("accept", "acceptance_rate", "{:.2f}"),
     ("tau", "tau", "{:.2f}"),
+    ("drafts/round", "drafts_per_round", "{:.2f}"),
     ("c", "cost_ratio", "{:.3f}"),
     ("ideal", "ideal_speedup", "{:.2f}x"),
     ("measured/ideal", "efficiency", "{:.2f}"),
@@ -52,6 +54,45 @@ def markdown_tables(summary: Sequence[dict]) -> str:
             parts.append("| " + " | ".join(_cell(row.get(key), fmt) for _, key, fmt in _COLUMNS) + " |")
         parts.append("")
     return "\n".join(parts)
+
+
+def auto_table(summary: Sequence[dict]) -> str:
+    """Per suite, temperature and draft measured with num_draft_tokens "auto": its tok/s against the best
+    fixed gamma's (highest tok/s) and transformers' heuristic schedule on the same draft, when measured;
+    empty when no "auto" method ran."""
+    lookup = {(*_setting(r), r["method"]): r for r in summary}
+    lines = []
+    for auto in (r for r in summary if r["family"] == OURS and r["num_draft_tokens"] == AUTO):
+        fixed = [
+            r
+            for r in summary
+            if _setting(r) == _setting(auto)
+            and r["family"] == OURS
+            and r["draft"] == auto["draft"]
+            and not isinstance(r["num_draft_tokens"], str)
+        ]
+        best = max(fixed, key=lambda r: r["tokens_per_s"]) if fixed else {}
+        heuristic = lookup.get((*_setting(auto), Method(TRANSFORMERS, auto["draft"], HEURISTIC).name), {})
+        ratio = auto["tokens_per_s"] / best["tokens_per_s"] if best else None
+        cells = [
+            auto["suite"],
+            "greedy" if auto["temperature"] == 0 else f"t={auto['temperature']}",
+            auto["draft"],
+            f"k={best['num_draft_tokens']}" if best else "-",
+            _cell(best.get("tokens_per_s"), "{:.1f}"),
+            _cell(auto["tokens_per_s"], "{:.1f}"),
+            _cell(ratio, "{:.3f}"),
+            _cell(auto["drafts_per_round"], "{:.2f}"),
+            _cell(heuristic.get("tokens_per_s"), "{:.1f}"),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    if not lines:
+        return ""
+    header = (
+        "| suite | sampling | draft | best fixed gamma | its tok/s | auto tok/s | auto / best fixed "
+        "| auto drafts per round | transformers heuristic tok/s |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    return "\n".join([header, *lines]) + "\n"
 
 
 def best_speculative(summary: Sequence[dict]) -> dict[tuple[str, float], dict]:
@@ -135,6 +176,21 @@ def _draft_lines(summary: Sequence[dict]) -> list[str]:
     return lines
 
 
+def _auto_section(summary: Sequence[dict]) -> str:
+    table = auto_table(summary)
+    if not table:
+        return ""
+    return f"""## Auto draft length vs the best fixed gamma
+
+With `num_draft_tokens="auto"` the decoder chooses each round's gamma from the acceptance and the costs it
+has measured so far (maximising expected tokens per second under the cost model), and stops drafting
+inside a round when the draft's own probability of its token falls below its confidence threshold. The
+best fixed gamma is picked after the fact, per suite; auto has to find it on line.
+
+{table}
+"""
+
+
 def benchmarks_document(data: dict, plots: Sequence[Path], document: Path) -> str:
     """docs/BENCHMARKS.md: the command, the machine, the headline, every table, the plots and a reading."""
     env = data["environment"]
@@ -179,7 +235,7 @@ Python overhead are what separate the two.
 ## Reading this run
 
 {reading(summary)}
-## Plots
+{_auto_section(summary)}## Plots
 
 {images}
 

@@ -4,7 +4,8 @@ Speedups are side by side: for each prompt, the method's median over repeats div
 method's median on the same prompt, then the median over prompts. Acceptance, tau and per-position
 acceptance pool every round of every run. The cost ratio c is one drafted token's drafting time over one
 plain decoding step of the target, both measured in the same run on the same prompts; the ideal speedup
-is tau / (gamma c + 1) with gamma the drafts per round actually made; efficiency is the measured decode
+is tau / (gamma c + 1) with gamma the drafts per round actually made (so it holds for "auto", whose
+gamma varies per round, and for rounds cut short near max_new_tokens); efficiency is the measured decode
 speedup over that ideal: the gap is overhead the engine owns. Decode rates count the rounds only: the
 draft's prefill of the prompt is a fixed cost per request, reported apart and included in tokens/s.
 """
@@ -15,7 +16,8 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
-from specdec_trt.bench.methods import OURS, TRANSFORMERS, Method
+from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
+from specdec_trt.decoder import AUTO
 from specdec_trt.stats import ideal_speedup
 
 PLAIN = Method(OURS, None).name
@@ -100,7 +102,9 @@ def _row(method: Method, runs: list[dict], medians: dict, plain_step_s: float | 
         "same_tokens_as_plain": _all_or_none(r["same_tokens_as_plain"] for r in runs),
     }
     if method.family == OURS and method.draft is not None:
-        peer = Method(TRANSFORMERS, method.draft, method.num_draft_tokens).name
+        # The same draft length, or transformers' own schedule for ours.
+        peer_k = HEURISTIC if method.num_draft_tokens == AUTO else method.num_draft_tokens
+        peer = Method(TRANSFORMERS, method.draft, peer_k).name
         row["speedup_vs_transformers_peer"] = median_ratio(mine, medians.get(peer, {}), "tokens_per_s")
         row |= _draft_figures(runs, plain_step_s, row["tau"], row["decode_speedup_vs_plain"])
     return row

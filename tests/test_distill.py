@@ -1,0 +1,144 @@
+"""specdec-distill on a tiny random target: the loss falls and the held-out acceptance estimate rises, the
+written checkpoint loads and builds into engines whose speculative output equals plain output, and a run
+resumed from its saved state ends exactly where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from build_engines.checkpoint import read_config
+from build_engines.model import DRAFT_VOCAB_KEY
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build import BuildRequest, build
+from specdec_trt.distill import DataSettings, DistillConfig, DistillError, TrainSettings, distill
+from specdec_trt.distill.cli import distill_command
+from specdec_trt.distill.draft import spread_layers
+from specdec_trt.distill.pipeline import REPORT_FILE, WORK_DIR
+
+PROMPTS = ["hello world", "the cat sat on the mat", "why is the sky blue?", "one, two, three, four", "good day!"]
+SIZE = {"hidden_size": 64, "head_dim": 16, "num_layers": 3}  # head_dim % 16 == 0: exportable to ONNX
+DRAFT_VOCAB = 24
+
+
+@pytest.fixture(scope="module")
+def target(make_checkpoint) -> Path:
+    return make_checkpoint(family="llama", seed=3, **SIZE)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    lines = [json.dumps({"id": str(i), "prompt": p, "chat": i % 2 == 0}) for i, p in enumerate(PROMPTS)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def settings(out: Path, target: Path, prompts: Path, steps: int = 40, **overrides) -> DistillConfig:
+    data = DataSettings(prompts=(str(prompts),), temperatures=(0.0, 1.0), continuation_tokens=48, seq_len=32)
+    train = TrainSettings(steps=steps, batch_size=4, learning_rate=3e-3, warmup_steps=4, eval_every=10, seed=1)
+    return DistillConfig(
+        out=out, target=target, num_layers=1, draft_vocab_size=DRAFT_VOCAB, data=data, train=train, **overrides
+    )
+
+
+@pytest.fixture(scope="module")
+def distilled(target, prompts_file, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill") / "draft"
+    return out, distill(settings(out, target, prompts_file))
+
+
+def test_loss_falls_and_acceptance_rises(distilled) -> None:
+    out, report = distilled
+    first, last = report.evaluations[0], report.evaluations[-1]
+    assert [e.step for e in report.evaluations] == [0, 10, 20, 30, 40]
+    assert last.kl < 0.6 * first.kl
+    assert last.acceptance > first.acceptance + 0.1
+    assert last.greedy_match > first.greedy_match
+    losses = torch.load(out / WORK_DIR / "state.pt", weights_only=True)["losses"]
+    assert len(losses) == 40 and sum(losses[-10:]) < 0.6 * sum(losses[:10])
+
+
+def test_checkpoint_is_a_pruned_draft_that_builds_and_decodes_losslessly(distilled, target, tmp_path) -> None:
+    out, report = distilled
+    config = read_config(out)
+    assert config.num_layers == 1 and len(config.draft_vocab) == report.draft_vocab_size <= DRAFT_VOCAB
+    assert 2 in config.draft_vocab, "EOS must stay in the draft vocabulary"
+    assert json.loads((out / REPORT_FILE).read_text())["evaluations"][-1]["step"] == 40
+    engines = tmp_path / "engines"
+    build(BuildRequest(out=engines, target=target, draft=out, max_draft_len=4, max_context=128))
+    decoder = SpeculativeDecoder.from_engines(engines)
+    draft_logits = decoder.drafter.engine.prefill(torch.tensor([[4, 5, 6]]), torch.tensor([3]))
+    outside = torch.ones(config.vocab_size, dtype=torch.bool)
+    outside[list(config.draft_vocab)] = False
+    assert torch.isinf(draft_logits[0, outside]).all() and torch.isfinite(draft_logits[0, ~outside]).all()
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = decoder.generate(prompt, params, num_draft_tokens=0)
+        speculative = decoder.generate(prompt, params, num_draft_tokens=4)
+        assert speculative.token_ids == plain.token_ids
+        accepted += speculative.stats.accepted_tokens
+    assert accepted > 0
+
+
+def test_resumed_run_equals_uninterrupted_run(distilled, target, prompts_file, tmp_path) -> None:
+    out, _ = distilled
+    resumed = tmp_path / "resumed"
+
+    def stop_at_step_20(stage: str, done: int, total: int, figures: dict) -> None:
+        if stage == "train" and done == 20:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        distill(settings(resumed, target, prompts_file), stop_at_step_20)
+    assert torch.load(resumed / WORK_DIR / "state.pt", weights_only=True)["step"] == 20
+    distill(settings(resumed, target, prompts_file, resume=True))
+    ours, theirs = load_file(resumed / "model.safetensors"), load_file(out / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[name], theirs[name]) for name in ours)
+
+
+def test_refusals_before_any_work(distilled, target, prompts_file, tmp_path) -> None:
+    out, _ = distilled
+    with pytest.raises(DistillError, match="not empty"):
+        distill(settings(out, target, prompts_file))
+    with pytest.raises(DistillError, match="nothing to resume"):
+        distill(settings(tmp_path / "fresh", target, prompts_file, resume=True))
+    with pytest.raises(DistillError, match="names 2 layers"):
+        distill(settings(tmp_path / "a", target, prompts_file, init_layers=(0, 1)))
+    with pytest.raises(DistillError, match="no training data"):
+        config = settings(tmp_path / "b", target, prompts_file)
+        distill(
+            DistillConfig(out=config.out, target=target, draft_vocab_size=0, data=DataSettings(self_generate=False))
+        )
+
+
+def test_cli_trains_from_a_text_file(target, tmp_path) -> None:
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    out = tmp_path / "draft"
+    args = ["--out", out, "--target", target, "--text", text, "--no-self-generate", "--num-layers", "2"]
+    args += ["--init-layers", "2,0", "--draft-vocab-size", "0", "--steps", "3", "--seq-len", "64", "--eval-every", "3"]
+    result = CliRunner().invoke(distill_command, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    config = read_config(out)
+    assert config.num_layers == 2 and config.draft_vocab is None
+    assert DRAFT_VOCAB_KEY not in json.loads((out / "config.json").read_text())
+    report = json.loads((out / REPORT_FILE).read_text())
+    assert report["layers"] == [2, 0] and report["draft_vocab_coverage"] == 1.0
+    again = CliRunner().invoke(distill_command, [str(a) for a in args])
+    assert again.exit_code != 0 and "not empty" in again.output
+
+
+def test_spread_layers() -> None:
+    assert spread_layers(30, 2) == [0, 29]
+    assert spread_layers(30, 4) == [0, 10, 19, 29]
+    assert spread_layers(5, 1) == [0]
+    with pytest.raises(ValueError, match="1 to 5"):
+        spread_layers(5, 6)

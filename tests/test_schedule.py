@@ -1,0 +1,239 @@
+"""The "auto" draft length: the controller fed synthetic observations, and the draft's early stop on its own
+confidence, on real tiny models."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from build_engines.checkpoint import load_checkpoint
+from runtime.torch_engine import TorchEngine
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
+from specdec_trt.drafting import ModelDrafter, PromptLookupDrafter
+from specdec_trt.sampling import BatchSampler
+from specdec_trt.schedule import FIRST_DRAFT_LENGTH, PROBE_EVERY, DraftLengthController
+
+MAX = 8
+
+
+def feed(
+    controller: DraftLengthController,
+    rounds: int,
+    accept: float,
+    draft_step_s: float,
+    verify_s: tuple[float, float] = (0.10, 0.005),
+    batch: int = 1,
+) -> list[int]:
+    """Run ``rounds`` rounds: each asks the controller, then reports drafts accepted as a fixed fraction
+    ``accept`` of the drafted ones (1: all; 0: the first is rejected), drafting at ``draft_step_s`` per token
+    and verifying in a + b * gamma seconds. Returns the chosen draft lengths."""
+    chosen = []
+    for _ in range(rounds):
+        gamma = controller.choose([True] * batch, 100)
+        chosen.append(gamma)
+        accepted = [int(accept * gamma)] * batch
+        a, b = verify_s
+        controller.observe(gamma, accepted, [True] * batch, gamma * draft_step_s, a + b * gamma)
+    return chosen
+
+
+def test_first_round_is_the_default_clamped_to_max_and_remaining() -> None:
+    assert DraftLengthController(MAX, 1).choose([True], 100) == FIRST_DRAFT_LENGTH
+    assert DraftLengthController(2, 1).choose([True], 100) == 2
+    assert DraftLengthController(MAX, 1).choose([True], 3) == 3
+    assert DraftLengthController(MAX, 1).choose([True], 0) == 0
+
+
+def test_high_acceptance_and_a_cheap_draft_draft_long() -> None:
+    controller = DraftLengthController(MAX, 2)
+    chosen = feed(controller, 12, accept=1.0, draft_step_s=0.005, batch=2)
+    assert chosen[-4:] == [MAX] * 4
+    assert controller.acceptance().min() > 0.9
+
+
+def test_low_acceptance_and_an_expensive_draft_draft_little() -> None:
+    controller = DraftLengthController(MAX, 1)
+    chosen = feed(controller, 12, accept=0.0, draft_step_s=0.08)
+    assert max(chosen[2:]) <= 1
+    assert 0 in chosen  # plain steps: drafting does not pay at all
+    assert controller.acceptance()[0] < 0.3
+
+
+def test_clamped_to_the_max_draft_and_the_tokens_still_needed() -> None:
+    controller = DraftLengthController(3, 1)
+    feed(controller, 6, accept=1.0, draft_step_s=0.001)
+    assert controller.choose([True], 100) == 3
+    assert controller.choose([True], 2) == 2
+    assert controller.choose([True], 0) == 0
+
+
+def test_never_stuck_at_plain_steps() -> None:
+    """Even when drafting never pays, at least every PROBE_EVERY-th round drafts one token, so acceptance
+    keeps being measured; and when acceptance recovers, drafting resumes."""
+    controller = DraftLengthController(MAX, 1)
+    chosen = feed(controller, 40, accept=0.0, draft_step_s=0.08)
+    for start in range(len(chosen) - PROBE_EVERY + 1):
+        assert any(chosen[start : start + PROBE_EVERY]), chosen
+    assert chosen.count(0) > len(chosen) // 2
+    assert max(feed(controller, 40, accept=1.0, draft_step_s=0.02)[-5:]) >= 2
+
+
+def test_adapts_when_acceptance_changes() -> None:
+    """Prose then code: long drafts while they are accepted, shorter and shorter ones once they start to
+    fail (the evidence of the long accepted rounds fades at ``decay`` per round), long again after."""
+    controller = DraftLengthController(MAX, 1)
+    assert feed(controller, 15, accept=1.0, draft_step_s=0.02)[-1] == MAX
+    failing = feed(controller, 25, accept=0.0, draft_step_s=0.02)
+    assert failing == sorted(failing, reverse=True) and failing[11] <= 3 and failing[-1] <= 1, failing
+    assert feed(controller, 25, accept=1.0, draft_step_s=0.02)[-1] == MAX
+
+
+def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
+    controller = DraftLengthController(MAX, 3, decay=0.5)
+    assert controller.acceptance() == pytest.approx([0.5] * 3)  # the prior: 1 success in 2 trials
+    controller.observe(4, [2, 4, 0], [True, True, True], 0.04, 0.1)
+    # row 0: 2 accepted then a rejection (3 trials); row 1: 4 of 4, no rejection; row 2: rejected at once
+    assert controller.acceptance() == pytest.approx([3 / 5, 5 / 6, 1 / 3])
+    controller.observe(4, [4, 0, 0], [True, False, True], 0.04, 0.1)  # row 1 finished: not updated
+    assert controller.acceptance() == pytest.approx([(1 + 1 + 4) / (2 + 1.5 + 4), 5 / 6, 1 / (2 + 0.5 + 1)])
+
+
+def test_cost_model_is_fitted_from_the_rounds() -> None:
+    controller = DraftLengthController(MAX, 1)
+    controller.observe(2, [2], [True], 0.02, 0.11)
+    controller.observe(2, [1], [True], 0.02, 0.11)
+    assert controller.verify_cost() == pytest.approx((0.11, 0.0))  # one draft length seen: no slope yet
+    controller.observe(6, [1], [True], 0.06, 0.13)
+    controller.observe(0, [0], [True], 0.0, 0.10)
+    a, b = controller.verify_cost()
+    assert (a, b) == pytest.approx((0.10, 0.005))
+    assert controller.draft_cost() == pytest.approx(0.01)
+
+
+def test_choice_maximises_expected_tokens_per_second() -> None:
+    """The choice is the argmax of sum_r (1 - p_r^(g+1)) / (1 - p_r) / (g c + a + b g), written out here."""
+    controller = DraftLengthController(MAX, 2)
+    feed(controller, 3, accept=0.5, draft_step_s=0.03, batch=2)
+    controller.observe(4, [4, 0], [True, True], 0.12, 0.12)  # the rows now differ
+    p = controller.acceptance()
+    c, (a, b) = controller.draft_cost(), controller.verify_cost()
+    rates = [sum((1 - p ** (g + 1)) / (1 - p)) / (g * c + a + b * g) for g in range(MAX + 1)]
+    assert controller.choose([True, True], 100) == int(np.argmax(rates))
+    only_first = [(1 - p[0] ** (g + 1)) / (1 - p[0]) / (g * c + a + b * g) for g in range(MAX + 1)]
+    assert controller.choose([True, False], 100) == int(np.argmax(only_first))
+
+
+def test_deterministic_given_its_observations() -> None:
+    runs = [feed(DraftLengthController(MAX, 1), 30, accept=0.6, draft_step_s=0.02) for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+# --- early stop on the draft's confidence -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def drafters(make_checkpoint) -> dict[str, ModelDrafter]:
+    """Drafts whose distributions are nearly flat (unconfident), sharply peaked, and in between."""
+    paths = {
+        "flat": make_checkpoint(family="llama", seed=21, logit_scale=0.05),
+        "peaked": make_checkpoint(family="llama", seed=22, logit_scale=200.0),
+        "medium": make_checkpoint(family="llama", seed=23),
+    }
+    return {
+        name: ModelDrafter(TorchEngine.from_checkpoint(load_checkpoint(path), max_context=64))
+        for name, path in paths.items()
+    }
+
+
+def propose(drafter: ModelDrafter, prompts: list[list[int]], num_tokens: int, threshold: float, params=None) -> int:
+    """Drafted tokens of one round after ``prompts`` (the draft prefilled with all but their last token)."""
+    params = params or SamplingParams()
+    lengths = torch.tensor([len(p) for p in prompts])
+    width = int(lengths.max())
+    drafter.begin(torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts]), lengths - 1)
+    sampler = BatchSampler([params] * len(prompts), torch.device("cpu"))
+    draft = drafter.propose(prompts, num_tokens, sampler, threshold)
+    assert draft.token_ids.shape[0] == len(prompts)
+    if draft.probs is not None:
+        assert draft.probs.shape[:2] == draft.token_ids.shape
+    return draft.num_tokens
+
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=1.0, seed=3)])
+def test_early_stop_shortens_an_unconfident_round(drafters, params) -> None:
+    prompts = [[4, 5, 6], [7, 8, 9, 10]]
+    assert propose(drafters["flat"], prompts, 5, threshold=0.3, params=params) == 1  # the token is kept
+    assert propose(drafters["flat"], prompts, 5, threshold=0.0, params=params) == 5
+    assert propose(drafters["peaked"], prompts, 5, threshold=0.3, params=params) == 5
+
+
+def test_early_stop_needs_every_row_to_be_unconfident(drafters) -> None:
+    """Greedy drafts: the draft's confidence is its top probability. With a threshold between two rows'
+    confidences, the unconfident row alone stops after one token; beside the confident row it does not."""
+    drafter = drafters["medium"]
+    candidates = [[4, 5, 6], [7, 8, 9, 10], [11, 3], [20, 21, 22, 23, 24], [30, 12, 5]]
+    confidence = []
+    for prompt in candidates:
+        logits = drafter.engine.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]))
+        confidence.append(float(logits.softmax(-1).max()))
+    low, high = int(np.argmin(confidence)), int(np.argmax(confidence))
+    assert confidence[high] > confidence[low]
+    threshold = (confidence[low] + confidence[high]) / 2
+    assert confidence[high] - confidence[low] > 0.05, confidence
+    assert propose(drafter, [candidates[low]], 4, threshold) == 1
+    assert propose(drafter, [candidates[high]], 4, threshold) >= 2
+    assert propose(drafter, [candidates[low], candidates[high]], 4, threshold) >= 2
+
+
+def test_auto_stops_early_and_fixed_gamma_never_does(drafters, make_checkpoint) -> None:
+    """Through the decoder: "auto" with the flat draft drafts one token per round (the cut-off), with the
+    cut-off disabled it drafts more; a fixed gamma drafts exactly gamma whatever the threshold."""
+    target = TorchEngine.from_checkpoint(load_checkpoint(make_checkpoint(family="llama")), max_context=64)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt = [4, 5, 6, 7]
+
+    def decoder(threshold: float) -> SpeculativeDecoder:
+        return SpeculativeDecoder(target, drafters["flat"], draft_confidence_threshold=threshold)
+
+    cut = decoder(1.0).generate(prompt, params, num_draft_tokens=AUTO).stats
+    assert cut.drafted_tokens > 0 and len(cut.drafted_per_position) == 1, cut.drafted_per_position
+    uncut = decoder(0.0).generate(prompt, params, num_draft_tokens=AUTO).stats
+    assert uncut.drafted_per_position[0] > 0 and len(uncut.drafted_per_position) >= FIRST_DRAFT_LENGTH
+    fixed = decoder(1.0).generate(prompt, params, num_draft_tokens=3).stats
+    assert len(fixed.drafted_per_position) == 3 and fixed.drafted_per_position[2] >= fixed.rounds - 3
+    unlimited = decoder(0.0).generate(prompt, params, num_draft_tokens=3).stats
+    assert fixed.drafted_per_position == unlimited.drafted_per_position
+
+
+def test_prompt_lookup_ignores_the_threshold() -> None:
+    drafter = PromptLookupDrafter()
+    sampler = BatchSampler([SamplingParams()], torch.device("cpu"))
+    sequence = [1, 2, 3, 4, 5, 1, 2]
+    assert drafter.propose([sequence], 3, sampler, 1.0).token_ids.tolist() == [[3, 4, 5]]
+
+
+def test_auto_reserves_the_engine_limit_in_the_context_check(make_checkpoint) -> None:
+    decoder = SpeculativeDecoder.from_pretrained(make_checkpoint(family="llama"), "ngram", max_context=32)
+    assert decoder.max_auto_draft == AUTO_MAX_DRAFT_TOKENS  # the PyTorch engine has no verify limit
+    fits = SamplingParams(max_new_tokens=32 - 3 - AUTO_MAX_DRAFT_TOKENS, ignore_eos=True)
+    assert len(decoder.generate([4, 5, 6], fits, num_draft_tokens=AUTO).token_ids) == fits.max_new_tokens
+    with pytest.raises(ValueError, match=r"\+ 8 drafts \(num_draft_tokens auto\)"):
+        decoder.generate([4, 5, 6], SamplingParams(max_new_tokens=fits.max_new_tokens + 1), num_draft_tokens=AUTO)
+
+
+@pytest.mark.parametrize("value", ["Auto", "5", 2.0, -1, True, None])
+def test_bad_draft_lengths_are_refused(make_checkpoint, value) -> None:
+    decoder = SpeculativeDecoder.from_pretrained(make_checkpoint(family="llama"), "ngram", max_context=48)
+    if value is not None:
+        with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0 or 'auto'"):
+            decoder.generate("ab", num_draft_tokens=value)
+    with pytest.raises(ValueError, match="num_draft_tokens must be an integer >= 0 or 'auto'"):
+        SpeculativeDecoder(decoder.target, decoder.drafter, num_draft_tokens=value)
+
+
+def test_bad_confidence_threshold_is_refused(make_checkpoint) -> None:
+    target = TorchEngine.from_checkpoint(load_checkpoint(make_checkpoint(family="llama")), max_context=48)
+    with pytest.raises(ValueError, match="draft_confidence_threshold must be in"):
+        SpeculativeDecoder(target, PromptLookupDrafter(), draft_confidence_threshold=1.5)
