@@ -1,7 +1,9 @@
 """Training text for a distilled draft: the target's own continuations of prompts, and text the user gives.
 
 Everything ends as token chunks of at most ``seq_len`` tokens; the teacher labels each chunk as a whole
-(``labels.py``), so the draft is trained on exactly the context the teacher saw.
+(``labels.py``), so the draft is trained on exactly the context the teacher saw. Every chunk carries a
+group: the prompt it continues (all of that prompt's continuations share it), or its own for text files,
+so that held-out evaluation can hold out whole prompts rather than near-copies of training chunks.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from specdec_trt.sampling import SamplingParams
 
 SEED_PROMPTS = Path(__file__).parent / "prompts.jsonl"
 Progress = Callable[[int, int], None]
+Grouped = list[tuple[int, list[int]]]  # (group, token ids)
 
 
 def prompt_ids(prompts: Sequence[BenchPrompt], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
@@ -44,17 +47,20 @@ def self_generated(
     seed: int,
     batch_size: int,
     on_progress: Progress = lambda done, total: None,
-) -> list[list[int]]:
-    """Prompt + the target's continuation, once per prompt and temperature (plain decoding, so these are
-    exactly the target's outputs; sampled rows are seeded, so the corpus is reproducible)."""
-    jobs = [(ids, t, seed + n) for n, (ids, t) in enumerate((ids, t) for t in temperatures for ids in prompts)]
-    jobs.sort(key=lambda job: len(job[0]))  # similar lengths per batch: less padding
-    sequences: list[list[int]] = []
+) -> Grouped:
+    """Prompt + the target's continuation, once per prompt and temperature, grouped by prompt (plain
+    decoding, so these are exactly the target's outputs; sampled rows are seeded: reproducible)."""
+    jobs = [
+        (group, ids, t, seed + n)
+        for n, (group, ids, t) in enumerate((g, ids, t) for t in temperatures for g, ids in enumerate(prompts))
+    ]
+    jobs.sort(key=lambda job: len(job[1]))  # similar lengths per batch: less padding
+    sequences: Grouped = []
     for start in range(0, len(jobs), batch_size):
         batch = jobs[start : start + batch_size]
-        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=s) for _, t, s in batch]
-        outputs = decoder.generate_batch([ids for ids, _, _ in batch], params, num_draft_tokens=0)
-        sequences += [ids + out.token_ids for (ids, _, _), out in zip(batch, outputs)]
+        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=t, seed=s) for _, _, t, s in batch]
+        outputs = decoder.generate_batch([ids for _, ids, _, _ in batch], params, num_draft_tokens=0)
+        sequences += [(group, ids + out.token_ids) for (group, ids, _, _), out in zip(batch, outputs)]
         on_progress(len(sequences), len(jobs))
     return sequences
 
@@ -64,8 +70,8 @@ def text_files(files: Sequence[Path], tokenizer: PreTrainedTokenizerBase) -> lis
     return [tokenizer.encode(Path(file).read_text(encoding="utf-8")) for file in files]
 
 
-def chunks(sequences: Sequence[list[int]], seq_len: int, min_len: int = 8) -> list[list[int]]:
-    """Every sequence cut into consecutive pieces of at most ``seq_len`` tokens (pieces under ``min_len``
-    tokens are dropped: too little context to learn from)."""
-    pieces = [s[i : i + seq_len] for s in sequences for i in range(0, len(s), seq_len)]
-    return [p for p in pieces if len(p) >= min_len]
+def chunks(sequences: Grouped, seq_len: int, min_len: int = 8) -> Grouped:
+    """Every sequence cut into consecutive pieces of at most ``seq_len`` tokens, each keeping its group
+    (pieces under ``min_len`` tokens are dropped: too little context to learn from)."""
+    pieces = [(g, s[i : i + seq_len]) for g, s in sequences for i in range(0, len(s), seq_len)]
+    return [(g, p) for g, p in pieces if len(p) >= min_len]

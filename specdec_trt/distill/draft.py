@@ -12,14 +12,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from build_engines.model import DRAFT_VOCAB_KEY
 
 
-def spread_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """``num_draft_layers`` target layer indices spread evenly from the first to the last."""
+def first_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The default draft layers: the target's first ``num_draft_layers``. They keep the residual stream the
+    embeddings start (measured on SmolLM2-135M, 2 layers, 100 steps: held-out acceptance 0.221 from layers
+    [0, 1] against 0.193 from [0, 29] and 0.153 from [28, 29]; KL at the start 14 against 38 and 13)."""
     if not 1 <= num_draft_layers <= num_target_layers:
         raise ValueError(f"a draft needs 1 to {num_target_layers} layers (the target's), got {num_draft_layers}")
-    if num_draft_layers == 1:
-        return [0]
-    step = (num_target_layers - 1) / (num_draft_layers - 1)
-    return [round(i * step) for i in range(num_draft_layers)]
+    return list(range(num_draft_layers))
 
 
 def init_draft(target: PreTrainedModel, layers: Sequence[int], draft_vocab: Sequence[int] | None) -> PreTrainedModel:

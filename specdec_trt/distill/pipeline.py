@@ -27,9 +27,10 @@ from build_engines.model import CompactDecoder, ModelConfig
 from runtime.torch_engine import TorchEngine
 from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.distill import corpus
-from specdec_trt.distill.draft import init_draft, spread_layers
+from specdec_trt.distill.draft import first_layers, init_draft
 from specdec_trt.distill.labels import TeacherLabels, choose_draft_vocab, label
 from specdec_trt.distill.trainer import DistillTrainer, Evaluation, TrainSettings
+from specdec_trt.loading import usable_device
 
 WORK_DIR = ".distill"
 REPORT_FILE = "distill.json"
@@ -90,20 +91,24 @@ class DistillReport:
 Stage = Callable[[str, int, int, dict], None]  # (stage, done, total, figures) for a progress display
 
 
-def check_config(config: DistillConfig) -> Path:
-    """Every refusal that needs no work; returns the target's path."""
+def check_config(config: DistillConfig) -> tuple[Path, list[int]]:
+    """Every refusal that needs no work; returns the target's path and the draft's initial layers."""
     out = config.out
     if out.exists() and any(out.iterdir()) and not (config.force or config.resume):
         raise DistillError(f"{out} exists and is not empty: choose another --out, --resume a run, or --force")
     if config.resume and not (out / WORK_DIR / "data.pt").is_file():
         raise DistillError(f"nothing to resume in {out}: {out / WORK_DIR / 'data.pt'} is missing")
+    try:
+        usable_device(config.device)
+    except ValueError as err:
+        raise DistillError(str(err)) from err
     target = config.target or default_model_path()
     target_config = read_config(target)
     if config.init_layers is not None and len(config.init_layers) != config.num_layers:
         raise DistillError(
             f"--init-layers names {len(config.init_layers)} layers but --num-layers is {config.num_layers}"
         )
-    layers = config.init_layers or spread_layers(target_config.num_layers, config.num_layers)
+    layers = list(config.init_layers or first_layers(target_config.num_layers, config.num_layers))
     if any(not 0 <= i < target_config.num_layers for i in layers):
         raise DistillError(f"--init-layers must be in [0, {target_config.num_layers}), got {list(layers)}")
     if not 0 <= config.draft_vocab_size <= target_config.vocab_size:
@@ -116,12 +121,12 @@ def check_config(config: DistillConfig) -> Path:
             raise DistillError(f"{file} does not exist")
     if not 0 < data.holdout_fraction < 1:
         raise DistillError(f"--holdout-fraction must be in (0, 1), got {data.holdout_fraction}")
-    return Path(target)
+    return Path(target), layers
 
 
 def distill(config: DistillConfig, on_stage: Stage = lambda stage, done, total, figures: None) -> DistillReport:
     """Run the whole pipeline and write the draft checkpoint into ``config.out``."""
-    target_path = check_config(config)
+    target_path, layers = check_config(config)
     work = config.out / WORK_DIR
     if config.force and not config.resume:
         shutil.rmtree(config.out, ignore_errors=True)
@@ -137,7 +142,6 @@ def distill(config: DistillConfig, on_stage: Stage = lambda stage, done, total, 
     seconds["load"] = time.perf_counter() - tick
     on_stage("load", 1, 1, {})
     train, holdout, draft_vocab = _labelled_corpus(config, teacher, tokenizer, work, seconds, on_stage)
-    layers = list(config.init_layers or spread_layers(teacher.config.num_hidden_layers, config.num_layers))
     draft = init_draft(teacher, layers, draft_vocab).to(device)
     trainer = DistillTrainer(draft, train, holdout, draft_vocab, config.train, work / "state.pt")
     if config.resume and trainer.state_file.is_file():
@@ -181,6 +185,7 @@ def _labelled_corpus(
             "target": str(config.target),
             "vocab": config.draft_vocab_size,
             "seed": config.train.seed,
+            "split": "by prompt",
         },
         sort_keys=True,
     )
@@ -192,7 +197,7 @@ def _labelled_corpus(
         if config.resume:
             raise DistillError(f"{cache} was made with other data settings: run without --resume (or with --force)")
     data = config.data
-    sequences = corpus.text_files([Path(t) for t in data.texts], tokenizer)
+    sequences: corpus.Grouped = []
     if data.self_generate:
         tick = time.perf_counter()
         prompts = corpus.load_prompts([Path(p) for p in data.prompts])[: data.max_prompts]
@@ -213,14 +218,22 @@ def _labelled_corpus(
         decoder.close()
         seconds["generate"] = time.perf_counter() - tick
     chunks = corpus.chunks(sequences, data.seq_len)
-    if len(chunks) < 2:
-        raise DistillError(f"the corpus has {len(chunks)} usable chunk(s): give more text or prompts")
+    # Text files: every chunk is a group of its own (they are distinct stretches of text).
+    texts = corpus.chunks(
+        [(-1, ids) for ids in corpus.text_files([Path(t) for t in data.texts], tokenizer)], data.seq_len
+    )
+    chunks += [(-1 - n, ids) for n, (_, ids) in enumerate(texts)]
+    groups = torch.tensor([g for g, _ in chunks])
+    if len(groups.unique()) < 2:
+        raise DistillError(
+            f"the corpus has {len(groups.unique())} prompt(s) or text chunk(s): give more text or prompts"
+        )
     tick = time.perf_counter()
-    labels = label(teacher, chunks, data.label_top_k, 8, lambda done, total: on_stage("label", done, total, {}))
+    labels = label(
+        teacher, [ids for _, ids in chunks], data.label_top_k, 8, lambda done, total: on_stage("label", done, total, {})
+    )
     seconds["label"] = time.perf_counter() - tick
-    generator = torch.Generator().manual_seed(config.train.seed)
-    order = torch.randperm(len(labels), generator=generator)
-    holdout_rows = order[: max(1, round(data.holdout_fraction * len(labels)))].sort().values
+    holdout_rows = _holdout_rows(groups, data.holdout_fraction, config.train.seed)
     train_rows = _complement(holdout_rows, len(labels))
     draft_vocab = None
     if config.draft_vocab_size:
@@ -233,6 +246,15 @@ def _labelled_corpus(
     torch.save({"key": key, "labels": fields, "holdout_rows": holdout_rows, "draft_vocab": draft_vocab}, partial)
     os.replace(partial, cache)
     return _split(labels, holdout_rows, draft_vocab)
+
+
+def _holdout_rows(groups: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
+    """The rows of a seeded ``fraction`` of the groups (at least one, never all): whole prompts are held
+    out, so no continuation of a held-out prompt is trained on."""
+    names = groups.unique()
+    order = names[torch.randperm(len(names), generator=torch.Generator().manual_seed(seed))]
+    held = order[: min(max(1, round(fraction * len(names))), len(names) - 1)]
+    return torch.isin(groups, held).nonzero().squeeze(1)
 
 
 def _complement(rows: torch.Tensor, count: int) -> torch.Tensor:

@@ -26,12 +26,12 @@ from specdec_trt.distill.labels import TeacherLabels
 class TrainSettings:
     """Optimisation settings; ``eval_every`` is also how often the resumable state is saved."""
 
-    steps: int = 600
+    steps: int = 1500
     batch_size: int = 8
-    learning_rate: float = 5e-4
+    learning_rate: float = 2e-3
     warmup_steps: int = 30
     kd_temperature: float = 1.0
-    eval_every: int = 50
+    eval_every: int = 100
     seed: int = 0
 
 
