@@ -37,6 +37,23 @@ class DraftLengthType(click.ParamType):
         self.fail(f"{value!r} is neither a draft length (an integer from 0 to 64) nor {AUTO!r}", param, ctx)
 
 
+def number_list(kind: type, minimum: float):
+    """A click callback parsing a comma-separated list of numbers >= minimum."""
+
+    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple | None:
+        if value is None:
+            return None
+        try:
+            numbers = tuple(kind(item) for item in value.split(",") if item.strip())
+        except ValueError as err:
+            raise click.BadParameter(f"{value!r} is not a comma-separated list of {kind.__name__}s") from err
+        if not numbers or any(n < minimum for n in numbers):
+            raise click.BadParameter(f"{value!r}: give one or more values, each >= {minimum}")
+        return tuple(dict.fromkeys(numbers))
+
+    return parse
+
+
 engines_option = click.option(
     "--engines",
     type=click.Path(exists=True, file_okay=False, path_type=Path),

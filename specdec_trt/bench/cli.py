@@ -31,26 +31,9 @@ from specdec_trt.bench.plots import write_plots
 from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.bench.summary import summarise
-from specdec_trt.cli import DTYPES, check_backend_options, default_engines, engines_option
+from specdec_trt.cli import DTYPES, check_backend_options, default_engines, engines_option, number_list
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
 from specdec_trt.loading import DRAFT_FROM_ENGINES
-
-
-def _numbers(kind: type, minimum: float):
-    """A click callback parsing a comma-separated list of numbers >= minimum."""
-
-    def parse(ctx: click.Context, param: click.Parameter, value: str | None) -> tuple | None:
-        if value is None:
-            return None
-        try:
-            numbers = tuple(kind(item) for item in value.split(",") if item.strip())
-        except ValueError as err:
-            raise click.BadParameter(f"{value!r} is not a comma-separated list of {kind.__name__}s") from err
-        if not numbers or any(n < minimum for n in numbers):
-            raise click.BadParameter(f"{value!r}: give one or more values, each >= {minimum}")
-        return tuple(dict.fromkeys(numbers))
-
-    return parse
 
 
 def _draft_lengths(schedule: str):
@@ -130,7 +113,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     "-t",
     "temperatures",
     default="0",
-    callback=_numbers(float, 0),
+    callback=number_list(float, 0),
     help="Sampling temperatures, comma-separated; 0 is greedy.",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=2), default=128, help="New tokens per request.")

@@ -11,20 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from build_engines.checkpoint import CheckpointError
+from specdec_trt.cli import number_list
 from specdec_trt.distill.pipeline import DataSettings, DistillConfig, DistillError, DistillReport, distill
 from specdec_trt.distill.trainer import TrainSettings
-
-
-def _numbers(kind: type):
-    def parse(ctx: click.Context, param: click.Parameter, value: str | None):
-        if value is None:
-            return None
-        try:
-            return tuple(kind(v) for v in value.split(",") if v.strip())
-        except ValueError as err:
-            raise click.BadParameter(f"expected comma-separated numbers, got {value!r}") from err
-
-    return parse
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -37,7 +26,7 @@ def _numbers(kind: type):
 @click.option("--num-layers", type=click.IntRange(min=1), default=2, help="Decoder layers of the draft.")
 @click.option(
     "--init-layers",
-    callback=_numbers(int),
+    callback=number_list(int, 0),
     help="Target layers the draft's layers start from, comma-separated. [default: the first --num-layers]",
 )
 @click.option(
@@ -68,7 +57,7 @@ def _numbers(kind: type):
 )
 @click.option(
     "--temperatures",
-    callback=_numbers(float),
+    callback=number_list(float, 0),
     default="0,0.8",
     help="One continuation per prompt at each of these temperatures; 0 is greedy.",
 )
@@ -76,7 +65,12 @@ def _numbers(kind: type):
 @click.option("--max-prompts", type=click.IntRange(min=1), help="Use only the first N prompts.")
 @click.option("--seq-len", type=click.IntRange(min=8), default=256, help="Tokens per training chunk.")
 @click.option("--label-top-k", type=click.IntRange(min=1), default=64, help="Teacher logits kept per position.")
-@click.option("--holdout-fraction", type=float, default=0.05, help="Share of chunks held out for evaluation.")
+@click.option(
+    "--holdout-fraction",
+    type=float,
+    default=0.05,
+    help="Share of prompts (all their continuations) held out for evaluation.",
+)
 @click.option("--steps", type=click.IntRange(min=1), default=1500, help="Optimiser steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Chunks per step.")
 @click.option("--learning-rate", "--lr", type=click.FloatRange(min=0, min_open=True), default=2e-3)

@@ -18,12 +18,13 @@ from pathlib import Path
 import torch
 
 from build_engines.checkpoint import (
+    Checkpoint,
     default_model_path,
     load_tokenizer,
     load_transformers_model,
     read_config,
 )
-from build_engines.model import CompactDecoder, ModelConfig
+from build_engines.model import ModelConfig
 from runtime.torch_engine import TorchEngine
 from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.distill import corpus
@@ -52,7 +53,7 @@ class DataSettings:
     max_prompts: int | None = None
     seq_len: int = 256
     label_top_k: int = 64
-    holdout_fraction: float = 0.05
+    holdout_fraction: float = 0.05  # of the prompts (text files: of their chunks)
 
 
 @dataclass(frozen=True)
@@ -269,10 +270,11 @@ def _split(labels: TeacherLabels, holdout_rows: torch.Tensor, draft_vocab: list[
 
 def _plain_decoder(teacher, tokenizer, max_context: int, device: str) -> SpeculativeDecoder:
     """Our own decoder over the teacher's weights on a PyTorch engine, for batched plain generation."""
-    config = ModelConfig.from_hf(teacher.config)
-    model = CompactDecoder(config, max_context)
-    model.load_weights({name: tensor.float().cpu() for name, tensor in teacher.state_dict().items()})
-    return SpeculativeDecoder(TorchEngine(model, device), None, tokenizer, config.eos_token_ids, num_draft_tokens=0)
+    checkpoint = Checkpoint(
+        Path(teacher.name_or_path), ModelConfig.from_hf(teacher.config), teacher.state_dict(), tokenizer
+    )
+    engine = TorchEngine.from_checkpoint(checkpoint, max_context, device)
+    return SpeculativeDecoder(engine, None, tokenizer, checkpoint.config.eos_token_ids, num_draft_tokens=0)
 
 
 def _coverage(holdout: TeacherLabels, draft_vocab: list[int] | None) -> float:
