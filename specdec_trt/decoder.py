@@ -8,7 +8,8 @@ token, and rolls both caches back by moving their length pointers.
 
 ``num_draft_tokens="auto"`` (``AUTO``) chooses the draft length of every round from the acceptance and
 the costs measured so far (``specdec_trt.schedule``), and lets the draft stop a round early when it is
-unconfident (``draft_confidence_threshold``). A fixed integer drafts exactly that many tokens per round.
+unconfident (``draft_confidence_threshold``) for as long as its unconfident tokens are mostly rejected. A
+fixed integer drafts exactly that many tokens per round.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ class SpeculativeDecoder:
 
     ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline;
     ``"auto"`` picks the draft length each round (see the module docstring), stopping a round early when
-    the draft's own probability of its token falls below ``draft_confidence_threshold`` (0: never).
+    the draft's own probability of its token falls below ``draft_confidence_threshold`` (0: never), as
+    long as such unconfident tokens are mostly rejected.
     A decoder runs one generation (or batch) at a time: its engines hold that batch's KV caches.
     """
 
@@ -309,7 +311,6 @@ class SpeculativeDecoder:
         draft_prefill_s = time.perf_counter() - tick
         draft_s = verify_s = 0.0
         schedule = DraftLengthController(self.max_auto_draft, len(requests)) if gamma == AUTO else None
-        threshold = self.draft_confidence_threshold if gamma == AUTO else 0.0  # fixed gamma: exactly gamma
         while not all(r.finished for r in requests):
             # Finished rows stay in the batch, frozen: they re-run the same positions and are ignored.
             active = [not r.finished for r in requests]
@@ -317,6 +318,11 @@ class SpeculativeDecoder:
             num_drafts = schedule.choose(active, usable) if schedule else min(gamma, usable)
             sequences = [r.sequence for r in requests]
             tick = time.perf_counter()
+            # Fixed gamma: exactly gamma, no confidence. Auto: the confidence of every draft, and the stop on it
+            # while unconfident drafts are mostly rejected.
+            threshold = None
+            if schedule is not None and self.draft_confidence_threshold > 0:
+                threshold = self.draft_confidence_threshold if schedule.stops_early() else 0.0
             draft = self._draft(sequences, num_drafts, sampler, threshold)
             tock = time.perf_counter()
             self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
@@ -327,7 +333,10 @@ class SpeculativeDecoder:
             done = time.perf_counter()
             draft_s, verify_s = draft_s + tock - tick, verify_s + done - tock
             if schedule:
-                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock)
+                unconfident = None
+                if draft.confidence is not None:  # read after the round's sync: no stall
+                    unconfident = (draft.confidence < self.draft_confidence_threshold).cpu().numpy()
+                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock, unconfident)
             for request, row, accepted in zip(requests, output, num_accepted):
                 if not request.finished:
                     request.stats.record_round(draft.num_tokens, accepted)
@@ -343,7 +352,9 @@ class SpeculativeDecoder:
                 total_s,
             )
 
-    def _draft(self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler, threshold: float) -> Draft:
+    def _draft(
+        self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler, threshold: float | None
+    ) -> Draft:
         if num_drafts <= 0:
             return Draft(torch.zeros(len(sequences), 0, dtype=torch.int64, device=self.target.device), None)
         return self.drafter.propose(sequences, num_drafts, sampler, threshold)

@@ -4,10 +4,12 @@ A drafter sees the committed sequences (prompt + accepted output, whose last tok
 cache) and returns the drafted ids with the distributions they were sampled from (None when the drafts
 are deterministic, as for prompt lookup or an all-greedy batch: q is then one-hot on the drafted token).
 
-A model drafter may stop early inside a round when its own confidence falls below a threshold. This keeps
-decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits (and on
-the committed prefix), never on the target, so every drafted token is still a sample from the q it
-reports, and the rejection sampler's guarantee holds for any draft length chosen that way.
+A model drafter may stop early inside a round when its own confidence falls below a threshold, and then
+reports the confidence of every token it drafted (so the caller can learn whether that confidence predicts
+rejections). This keeps decoding lossless: how many tokens are drafted depends only on the draft's own
+samples and logits (and on the committed prefix), never on the target, so every drafted token is still a
+sample from the q it reports, and the rejection sampler's guarantee holds for any draft length chosen that
+way.
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from specdec_trt.sampling import BatchSampler
 
 @dataclass(frozen=True)
 class Draft:
-    """Drafted tokens [B, k] and the distributions they were drawn from [B, k, V] (None: one-hot)."""
+    """Drafted tokens [B, k] and the distributions they were drawn from [B, k, V] (None: one-hot); with a
+    confidence threshold, the draft's own probability of each drafted token [B, k] (else None)."""
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None
+    confidence: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -49,11 +53,12 @@ class Drafter(Protocol):
         sequences: Sequence[Sequence[int]],
         num_tokens: int,
         sampler: BatchSampler,
-        confidence_threshold: float = 0.0,
+        confidence_threshold: float | None = None,
     ) -> Draft:
-        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence. A drafter with its own
-        distribution stops after a token whose probability under the draft (softmax of its raw logits) is
-        below ``confidence_threshold`` in every row, keeping that token; 0 never stops early."""
+        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence. Given a
+        ``confidence_threshold``, a drafter with its own distribution reports each token's probability
+        under the draft (softmax of its raw logits) and stops after a token below the threshold in every
+        row, keeping that token; 0 never stops early, None skips the confidence altogether."""
 
 
 class ModelDrafter:
@@ -89,17 +94,21 @@ class ModelDrafter:
         sequences: Sequence[Sequence[int]],
         num_tokens: int,
         sampler: BatchSampler,
-        confidence_threshold: float = 0.0,
+        confidence_threshold: float | None = None,
     ) -> Draft:
         logits = self._catch_up(sequences)
-        tokens, dists = [], []
+        tokens, dists, confidences = [], [], []
         for i in range(num_tokens):
             probs = sampler.probs(logits.unsqueeze(1)).squeeze(1)
             token = sampler.sample(probs)
             tokens.append(token)
             dists.append(probs)
-            if i + 1 == num_tokens or _unconfident(logits, token, confidence_threshold):
-                break  # an unconfident token is kept: its logits are paid for, and it may still be accepted
+            if confidence_threshold is not None:
+                confidences.append(logits.float().softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
+                if confidence_threshold > 0 and bool((confidences[-1] < confidence_threshold).all()):  # host sync
+                    break  # an unconfident token is kept: its logits are paid for, and it may still be accepted
+            if i + 1 == num_tokens:
+                break
             logits = self.engine.forward(token.unsqueeze(1))[:, 0]
         device = self.engine.device
         token_ids = (
@@ -108,7 +117,7 @@ class ModelDrafter:
         self._cached = [len(s) for s in sequences]
         self._fed = token_ids[:, :-1]  # the last draft is in no cache
         probs = None if sampler.all_greedy or not dists else torch.stack(dists, 1)
-        return Draft(token_ids, probs)
+        return Draft(token_ids, probs, torch.stack(confidences, 1) if confidences else None)
 
     def _catch_up(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
         """Feed each row the committed tokens its cache lacks; the logits after its last token [B, V]."""
@@ -138,15 +147,6 @@ def _matching_prefix(sequence: Sequence[int], base: int, drafts: list[int]) -> i
     return base + count
 
 
-def _unconfident(logits: torch.Tensor, token: torch.Tensor, threshold: float) -> bool:
-    """Whether every row's draft gave its drafted token a probability (softmax of the raw logits, not the
-    warped distribution) below ``threshold``; False when the threshold is 0 (one host sync otherwise)."""
-    if threshold <= 0:
-        return False
-    confidence = logits.float().softmax(-1).gather(1, token.unsqueeze(1))
-    return bool((confidence < threshold).all())
-
-
 class PromptLookupDrafter:
     """Model-free drafting by n-gram match (as transformers' ``prompt_lookup_num_tokens`` and vLLM's
     ngram method): find the most recent earlier occurrence of the sequence's last n tokens (n from
@@ -167,7 +167,7 @@ class PromptLookupDrafter:
         sequences: Sequence[Sequence[int]],
         num_tokens: int,
         sampler: BatchSampler,
-        confidence_threshold: float = 0.0,
+        confidence_threshold: float | None = None,
     ) -> Draft:
         """Prompt lookup has no distribution of its own: ``confidence_threshold`` is ignored."""
         proposals = [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]

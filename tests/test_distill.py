@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
+from conftest import char_tokenizer
 from safetensors.torch import load_file
 
 from build_engines.checkpoint import read_config
@@ -18,8 +19,10 @@ from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest, build
 from specdec_trt.distill import DataSettings, DistillConfig, DistillError, TrainSettings, distill
 from specdec_trt.distill.cli import distill_command
+from specdec_trt.distill.corpus import text_files, text_paths
 from specdec_trt.distill.draft import first_layers
 from specdec_trt.distill.pipeline import REPORT_FILE, WORK_DIR, _holdout_rows
+from specdec_trt.distill.trainer import DistillTrainer, Evaluation
 
 PROMPTS = ["hello world", "the cat sat on the mat", "why is the sky blue?", "one, two, three, four", "good day!"]
 SIZE = {"hidden_size": 64, "head_dim": 16, "num_layers": 3}  # head_dim % 16 == 0: exportable to ONNX
@@ -159,3 +162,63 @@ def test_holdout_takes_whole_prompts() -> None:
     assert torch.equal(rows, _holdout_rows(groups, 0.1, seed=0))
     two_prompts = torch.tensor([5, 5, 7])
     assert len(two_prompts[_holdout_rows(two_prompts, 0.9, seed=1)].unique()) == 1, "never every prompt"
+
+
+def test_text_directories_give_their_text_files(tmp_path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    for name in ("pkg/a.py", "pkg/b.md", "pkg/sub/c.txt", "pkg/notes.rst", "pkg/data.bin", "single.log"):
+        (tmp_path / name).write_text(f"text of {name}\n")
+    found = text_paths([tmp_path / "pkg", tmp_path / "single.log", tmp_path / "pkg" / "a.py"])
+    names = ["pkg/a.py", "pkg/b.md", "pkg/notes.rst", "pkg/sub/c.txt", "single.log"]
+    assert found == sorted(tmp_path / n for n in names), "a named file is kept whatever its suffix, once"
+
+
+def test_text_is_capped_file_by_file_in_a_seeded_order(tmp_path) -> None:
+    tokenizer = char_tokenizer()
+    for n in range(6):
+        (tmp_path / f"f{n}.txt").write_text("abcdef"[n] * 30)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 5)
+    whole = text_files([tmp_path], tokenizer)
+    assert len(whole) == 6, "the file that is not UTF-8 is skipped"
+    capped = text_files([tmp_path], tokenizer, max_tokens=50, seed=3)
+    assert sum(map(len, capped)) == 50 and len(capped) < 6
+    assert capped == text_files([tmp_path], tokenizer, max_tokens=50, seed=3)
+    assert any(capped != text_files([tmp_path], tokenizer, max_tokens=50, seed=s) for s in range(4, 8))
+
+
+def test_text_files_are_held_out_whole(target, tmp_path) -> None:
+    """Chunks of one text file share its group: a file is held out entirely or not at all."""
+    for n in range(10):
+        (tmp_path / f"doc{n}.txt").write_text("abcdefghij"[n] * 100)  # a file's chunks: its one letter
+    out = tmp_path / "draft"
+    data = DataSettings(texts=(str(tmp_path),), self_generate=False, seq_len=16, holdout_fraction=0.2)
+    train = TrainSettings(steps=1, batch_size=2, warmup_steps=1, eval_every=1)
+    distill(DistillConfig(out=out, target=target, num_layers=1, draft_vocab_size=0, data=data, train=train))
+    saved = torch.load(out / WORK_DIR / "data.pt", weights_only=True)
+    tokens, lengths = saved["labels"][0], saved["labels"][1]
+    held = set(saved["holdout_rows"].tolist())
+    by_file: dict[int, set[bool]] = {}
+    for row in range(len(tokens)):
+        letter = int(tokens[row, : lengths[row]].mode().values)
+        by_file.setdefault(letter, set()).add(row in held)
+    assert all(len(states) == 1 for states in by_file.values()), "a file was split across train and held-out"
+    assert sum(True in states for states in by_file.values()) == 2
+
+
+def test_the_best_held_out_weights_are_the_ones_kept(distilled, target, prompts_file, tmp_path, monkeypatch) -> None:
+    """With a held-out acceptance that peaks mid-run (scripted), the weights restored are those of the peak,
+    not the last step's."""
+    out, _ = distilled
+    scripted = iter([0.1, 0.3, 0.6, 0.4, 0.2])
+    snapshots: dict[int, dict[str, torch.Tensor]] = {}
+
+    def evaluate(self, batch_size: int = 16) -> Evaluation:
+        snapshots[self.step] = {k: v.clone() for k, v in self._trainable_weights().items()}
+        return Evaluation(self.step, 1.0, next(scripted), 0.0)
+
+    monkeypatch.setattr(DistillTrainer, "evaluate", evaluate)
+    report = distill(settings(tmp_path / "draft", target, prompts_file))
+    assert report.best_step == 20 and [e.step for e in report.evaluations] == [0, 10, 20, 30, 40]
+    written = load_file(tmp_path / "draft" / "model.safetensors")
+    assert all(torch.equal(written[name], snapshots[20][name]) for name in snapshots[20])
+    assert not all(torch.equal(written[name], snapshots[40][name]) for name in snapshots[40])

@@ -113,6 +113,9 @@ class ScriptedSchedule:
     def observe(self, *args) -> None:
         pass
 
+    def stops_early(self) -> bool:
+        return True
+
 
 @pytest.fixture
 def scripted_schedule(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -28,7 +28,17 @@ from test_greedy_equivalence import (
     assert_scripted_greedy_lossless,
     scripted_schedule,  # noqa: F401 - a fixture
 )
-from test_losslessness import PASS_P, REJECT_P, VOCAB, WARPINGS, chi_square_p, exact_joint, no_residual, pipeline_counts
+from test_losslessness import (
+    PASS_P,
+    REJECT_P,
+    VOCAB,
+    WARPINGS,
+    chi_square_p,
+    exact_joint,
+    no_residual,
+    pipeline_counts,
+    steady_clock,  # noqa: F401 - a fixture
+)
 from transformers import AutoModelForCausalLM
 
 import specdec_trt.rejection
@@ -40,6 +50,7 @@ from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest
 from specdec_trt.cli import run
+from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import ModelDrafter
 from specdec_trt.loading import load_engine_directory, model_spec
 
@@ -372,6 +383,24 @@ def test_missing_residual_is_caught(pair: str, request: pytest.FixtureRequest, m
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
     counts, _ = pipeline_counts(decoder, WARPINGS["temperature"], gamma=LOSSLESS_DRAFTS)
     assert chi_square_p(counts, exact_joint(reference, WARPINGS["temperature"])) < REJECT_P
+
+
+@pytest.mark.usefixtures("steady_clock")
+@pytest.mark.parametrize(("pair", "name"), [("lossless", "top_p"), ("lossless_int4", "temperature")])
+def test_auto_draft_length_is_lossless(
+    pair: str, name: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """num_draft_tokens="auto" on ONNX engines (the length of each round chosen from the costs and the
+    acceptance so far, up to the engines' limit): the target's exact distribution; and the same run with
+    the residual broken is rejected."""
+    decoder, reference = request.getfixturevalue(pair)
+    probs = exact_joint(reference, WARPINGS[name])
+    counts, outputs = pipeline_counts(decoder, WARPINGS[name], gamma=AUTO)
+    assert sum(o.stats.accepted_tokens for o in outputs) > 0
+    assert chi_square_p(counts, probs) > PASS_P
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    broken, _ = pipeline_counts(decoder, WARPINGS[name], gamma=AUTO)
+    assert chi_square_p(broken, probs) < REJECT_P
 
 
 # --- providers ----------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
 from specdec_trt.drafting import ModelDrafter, PromptLookupDrafter
 from specdec_trt.sampling import BatchSampler
-from specdec_trt.schedule import FIRST_DRAFT_LENGTH, PROBE_EVERY, DraftLengthController
+from specdec_trt.schedule import FIRST_DRAFT_LENGTH, POSITION_SHRINK, PROBE_EVERY, DraftLengthController
 
 MAX = 8
 
@@ -82,11 +82,14 @@ def test_never_stuck_at_plain_steps() -> None:
 
 def test_adapts_when_acceptance_changes() -> None:
     """Prose then code: long drafts while they are accepted, shorter and shorter ones once they start to
-    fail (the evidence of the long accepted rounds fades at ``decay`` per round), long again after."""
+    fail (the evidence of the long accepted rounds fades at ``decay`` per drafted token) down to plain
+    rounds with one-draft probes, long again after."""
     controller = DraftLengthController(MAX, 1)
     assert feed(controller, 15, accept=1.0, draft_step_s=0.02)[-1] == MAX
     failing = feed(controller, 25, accept=0.0, draft_step_s=0.02)
-    assert failing == sorted(failing, reverse=True) and failing[11] <= 3 and failing[-1] <= 1, failing
+    falling = failing[: failing.index(0)]
+    assert falling == sorted(falling, reverse=True) and failing[11] <= 3, failing
+    assert max(failing[-8:]) <= 1 and 0 in failing[-8:], failing
     assert feed(controller, 25, accept=1.0, draft_step_s=0.02)[-1] == MAX
 
 
@@ -97,7 +100,52 @@ def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     # row 0: 2 accepted then a rejection (3 trials); row 1: 4 of 4, no rejection; row 2: rejected at once
     assert controller.acceptance() == pytest.approx([3 / 5, 5 / 6, 1 / 3])
     controller.observe(4, [4, 0, 0], [True, False, True], 0.04, 0.1)  # row 1 finished: not updated
-    assert controller.acceptance() == pytest.approx([(1 + 1 + 4) / (2 + 1.5 + 4), 5 / 6, 1 / (2 + 0.5 + 1)])
+    # the evidence decays per drafted token: 0.5 ** 4 after a round of 4 drafts
+    fade = 0.5**4
+    assert controller.acceptance() == pytest.approx([(1 + 2 * fade + 4) / (2 + 3 * fade + 4), 5 / 6, 1 / (3 + fade)])
+
+
+def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
+    """p_ri counts the rounds that reached draft i and accepted it, with the row's pooled rate worth
+    POSITION_SHRINK trials; drafts never reached take the pooled rate."""
+    controller = DraftLengthController(4, 1, decay=1.0)
+    controller.observe(3, [0], [True], 0.03, 0.1)  # the first draft rejected
+    controller.observe(3, [3], [True], 0.03, 0.1)  # all three accepted
+    pooled = (1 + 3) / (2 + 4)
+    assert controller.acceptance()[0] == pytest.approx(pooled)
+    expected = [
+        (POSITION_SHRINK * pooled + passed) / (POSITION_SHRINK + reached)
+        for passed, reached in [(1, 2), (1, 1), (1, 1)]
+    ]
+    assert controller.position_acceptance()[0] == pytest.approx(expected + [pooled])
+
+
+def test_bursty_acceptance_drafts_longer_than_a_single_rate_would() -> None:
+    """Half the rounds reject their first draft, the others accept every draft: one pooled per-token rate
+    (about 0.8) makes long drafts look wasteful, but a draft that got past its first token is always
+    accepted, and the controller sees it."""
+    controller = DraftLengthController(MAX, 1, decay=1.0)
+    for n in range(20):
+        controller.observe(6, [0 if n % 2 else 6], [True], 6 * 0.02, 0.10 + 6 * 0.005)
+    controller.observe(2, [0], [True], 2 * 0.02, 0.11)  # a second length, so the verify slope is known
+    position = controller.position_acceptance()[0]
+    assert position[0] < 0.6 and position[1:6].min() > 0.9
+    p = controller.acceptance()[0]
+    time = controller.round_time()
+    single_rate = int(np.argmax([(1 - p ** (g + 1)) / (1 - p) / time[g] for g in range(MAX + 1)]))
+    assert controller.choose([True], 100) > single_rate
+
+
+def test_short_drafts_do_not_starve_the_estimate() -> None:
+    """Evidence decays per drafted token, not per round: rounds of one draft keep as many drafts in view as
+    rounds of eight, so the prior does not pull the estimate of a short-drafting row down."""
+    short, long = DraftLengthController(MAX, 1), DraftLengthController(MAX, 1)
+    for _ in range(80):
+        short.observe(1, [1], [True], 0.01, 0.1)
+    for _ in range(10):
+        long.observe(8, [8], [True], 0.08, 0.1)
+    assert short.acceptance()[0] == pytest.approx(long.acceptance()[0], abs=0.01)
+    assert short.acceptance()[0] > 0.95
 
 
 def test_cost_model_is_fitted_from_the_rounds() -> None:
@@ -105,24 +153,56 @@ def test_cost_model_is_fitted_from_the_rounds() -> None:
     controller.observe(2, [2], [True], 0.02, 0.11)
     controller.observe(2, [1], [True], 0.02, 0.11)
     assert controller.verify_cost() == pytest.approx((0.11, 0.0))  # one draft length seen: no slope yet
+    assert controller.draft_cost() == pytest.approx((0.0, 0.01))  # and drafting all per token
     controller.observe(6, [1], [True], 0.06, 0.13)
     controller.observe(0, [0], [True], 0.0, 0.10)
-    a, b = controller.verify_cost()
-    assert (a, b) == pytest.approx((0.10, 0.005))
-    assert controller.draft_cost() == pytest.approx(0.01)
+    assert controller.verify_cost() == pytest.approx((0.10, 0.005))
+    assert controller.draft_cost() == pytest.approx((0.0, 0.01))
+
+
+def test_a_fixed_drafting_cost_per_round_is_separated_from_the_per_token_cost() -> None:
+    """Feeding the draft what it lacks costs a round the same whatever it drafts: lumping it into the
+    per-token cost would make long drafts look dearer than they are. Plain rounds do not pay it."""
+    controller = DraftLengthController(MAX, 1)
+    for gamma in (1, 2, 4, 1, 2, 4):
+        controller.observe(gamma, [gamma], [True], 0.004 + 0.01 * gamma, 0.1 + 0.002 * gamma)
+    (d, c), (a, b) = controller.draft_cost(), controller.verify_cost()
+    assert (d, c, a, b) == pytest.approx((0.004, 0.01, 0.1, 0.002))
+    assert controller.round_time() == pytest.approx([a] + [d + g * (c + b) + a for g in range(1, MAX + 1)])
 
 
 def test_choice_maximises_expected_tokens_per_second() -> None:
-    """The choice is the argmax of sum_r (1 - p_r^(g+1)) / (1 - p_r) / (g c + a + b g), written out here."""
+    """The choice is the argmax of sum_r (1 + p_r1 + p_r1 p_r2 + ...) / time(g), written out here."""
     controller = DraftLengthController(MAX, 2)
     feed(controller, 3, accept=0.5, draft_step_s=0.03, batch=2)
     controller.observe(4, [4, 0], [True, True], 0.12, 0.12)  # the rows now differ
-    p = controller.acceptance()
-    c, (a, b) = controller.draft_cost(), controller.verify_cost()
-    rates = [sum((1 - p ** (g + 1)) / (1 - p)) / (g * c + a + b * g) for g in range(MAX + 1)]
-    assert controller.choose([True, True], 100) == int(np.argmax(rates))
-    only_first = [(1 - p[0] ** (g + 1)) / (1 - p[0]) / (g * c + a + b * g) for g in range(MAX + 1)]
-    assert controller.choose([True, False], 100) == int(np.argmax(only_first))
+    p = controller.position_acceptance()
+    time = controller.round_time()
+
+    def rate(rows: list[int], g: int) -> float:
+        return sum(1 + sum(np.prod(p[r, :j]) for j in range(1, g + 1)) for r in rows) / time[g]
+
+    assert controller.choose([True, True], 100) == int(np.argmax([rate([0, 1], g) for g in range(MAX + 1)]))
+    assert controller.choose([True, False], 100) == int(np.argmax([rate([0], g) for g in range(MAX + 1)]))
+
+
+def test_early_stop_is_calibrated_on_whether_unconfident_drafts_are_accepted() -> None:
+    """Only unconfident drafts the verifier judged count (those after a rejection were never judged): the
+    stop stays on while they are mostly rejected, and goes off once they are mostly accepted."""
+    controller = DraftLengthController(MAX, 2, decay=1.0)
+    assert controller.stops_early()  # the prior: unconfident drafts mostly fail
+    unconfident = np.array([[False, True, True, True], [True, False, False, False]])
+    controller.observe(4, [1, 4], [True, True], 0.04, 0.1, unconfident)
+    # row 0: draft 2 (unconfident) judged and rejected, drafts 3-4 never judged; row 1: draft 1 accepted
+    assert (controller.unconfident_trials, controller.unconfident_accepted) == (2, 1)
+    assert controller.unconfident_acceptance() == pytest.approx((0.5 + 1) / (2 + 2))
+    for _ in range(3):
+        controller.observe(4, [4, 4], [True, True], 0.04, 0.1, unconfident)
+    assert not controller.stops_early()
+    rejected = DraftLengthController(MAX, 1, decay=1.0)
+    for _ in range(5):
+        rejected.observe(2, [0], [True], 0.02, 0.1, np.array([[True, True]]))
+    assert rejected.stops_early() and rejected.unconfident_acceptance() < 0.1
 
 
 def test_deterministic_given_its_observations() -> None:

@@ -47,8 +47,13 @@ from specdec_trt.distill.trainer import TrainSettings
     "--text",
     "texts",
     multiple=True,
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    help="Plain-text file to train on as is (repeatable).",
+    type=click.Path(exists=True, path_type=Path),
+    help="Plain-text file, or directory of .py/.md/.rst/.txt files, to train on as is (repeatable).",
+)
+@click.option(
+    "--max-text-tokens",
+    type=click.IntRange(min=1),
+    help="Take at most N tokens of the --text files (whole files in a seeded random order). [default: all]",
 )
 @click.option(
     "--self-generate/--no-self-generate",
@@ -116,6 +121,7 @@ def distill_command(**options) -> None:
         data=DataSettings(
             prompts=tuple(str(p) for p in options["prompts"]),
             texts=tuple(str(t) for t in options["texts"]),
+            max_text_tokens=options["max_text_tokens"],
             self_generate=options["self_generate"],
             temperatures=options["temperatures"],
             continuation_tokens=options["continuation_tokens"],
@@ -177,7 +183,8 @@ def _report_table(report: DistillReport) -> Table:
     for column in ("step", "KL", "acceptance sum min(p,q)", "greedy match"):
         table.add_column(column, justify="right")
     for e in report.evaluations:
-        table.add_row(str(e.step), f"{e.kl:.3f}", f"{e.acceptance:.3f}", f"{e.greedy_match:.3f}")
+        step = f"{e.step} (written)" if e.step == report.best_step else str(e.step)
+        table.add_row(step, f"{e.kl:.3f}", f"{e.acceptance:.3f}", f"{e.greedy_match:.3f}")
     table.caption = (
         f"layers {report.layers}, draft vocabulary {report.draft_vocab_size} (covers "
         f"{report.draft_vocab_coverage:.1%} of the target's top-1 mass), {report.train_tokens} training tokens, "

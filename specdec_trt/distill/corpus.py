@@ -2,12 +2,14 @@
 
 Everything ends as token chunks of at most ``seq_len`` tokens; the teacher labels each chunk as a whole
 (``labels.py``), so the draft is trained on exactly the context the teacher saw. Every chunk carries a
-group: the prompt it continues (all of that prompt's continuations share it), or its own for text files,
-so that held-out evaluation can hold out whole prompts rather than near-copies of training chunks.
+group: the prompt it continues (all of that prompt's continuations share it), or the text file it comes
+from, so that held-out evaluation can hold out whole prompts and files rather than near-copies of training
+chunks.
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.sampling import SamplingParams
 
 SEED_PROMPTS = Path(__file__).parent / "prompts.jsonl"
+TEXT_SUFFIXES = (".py", ".md", ".rst", ".txt")  # what a directory given as text contributes
 Progress = Callable[[int, int], None]
 Grouped = list[tuple[int, list[int]]]  # (group, token ids)
 
@@ -65,9 +68,40 @@ def self_generated(
     return sequences
 
 
-def text_files(files: Sequence[Path], tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
-    """The token ids of each text file, whole."""
-    return [tokenizer.encode(Path(file).read_text(encoding="utf-8")) for file in files]
+def text_paths(paths: Sequence[Path]) -> list[Path]:
+    """The files of ``paths``: a file as given, a directory as every file under it with a
+    ``TEXT_SUFFIXES`` suffix; sorted, without repeats."""
+    files = set()
+    for path in paths:
+        if path.is_dir():
+            files.update(f for f in path.rglob("*") if f.suffix in TEXT_SUFFIXES and f.is_file())
+        else:
+            files.add(path)
+    return sorted(files)
+
+
+def text_files(
+    paths: Sequence[Path], tokenizer: PreTrainedTokenizerBase, max_tokens: int | None = None, seed: int = 0
+) -> list[list[int]]:
+    """The token ids of each text file, whole. With ``max_tokens``, files are taken in a seeded random
+    order until that many tokens (the last file cut short); files that are not UTF-8 text are skipped."""
+    files = text_paths(paths)
+    if max_tokens is not None:
+        random.Random(seed).shuffle(files)
+    texts, total = [], 0
+    for file in files:
+        try:
+            ids = tokenizer.encode(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            continue
+        if max_tokens is not None:
+            ids = ids[: max_tokens - total]
+        if ids:
+            texts.append(ids)
+            total += len(ids)
+        if max_tokens is not None and total >= max_tokens:
+            break
+    return texts
 
 
 def chunks(sequences: Grouped, seq_len: int, min_len: int = 8) -> Grouped:

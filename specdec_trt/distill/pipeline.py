@@ -46,7 +46,8 @@ class DataSettings:
     """What the corpus is made of; a change invalidates the cached labelled corpus."""
 
     prompts: tuple[str, ...] = ()  # JSONL files; the shipped seed prompts when empty and self-generating
-    texts: tuple[str, ...] = ()  # plain-text files, used whole
+    texts: tuple[str, ...] = ()  # plain-text files, and directories of them (TEXT_SUFFIXES)
+    max_text_tokens: int | None = None  # of the texts, taken file by file in a seeded random order
     self_generate: bool = True
     temperatures: tuple[float, ...] = (0.0, 0.8)
     continuation_tokens: int = 192
@@ -86,6 +87,7 @@ class DistillReport:
     holdout_tokens: int
     draft_vocab_coverage: float  # share of the teacher's top-1 mass on held-out text the draft can emit
     evaluations: list[Evaluation]
+    best_step: int  # the written weights: the best held-out acceptance (slightly optimistic, being chosen)
     seconds: dict[str, float]
 
 
@@ -117,9 +119,15 @@ def check_config(config: DistillConfig) -> tuple[Path, list[int]]:
     data = config.data
     if not (data.self_generate or data.texts or data.prompts):
         raise DistillError("no training data: give --text files, --prompts, or allow --self-generate")
-    for file in (*data.prompts, *data.texts):
+    for file in data.prompts:
         if not Path(file).is_file():
             raise DistillError(f"{file} does not exist")
+    for path in data.texts:
+        if not Path(path).exists():
+            raise DistillError(f"{path} does not exist")
+    if data.texts and not corpus.text_paths([Path(t) for t in data.texts]):
+        suffixes = ", ".join(corpus.TEXT_SUFFIXES)
+        raise DistillError(f"--text names no files (directories contribute their {suffixes} files)")
     if not 0 < data.holdout_fraction < 1:
         raise DistillError(f"--holdout-fraction must be in (0, 1), got {data.holdout_fraction}")
     return Path(target), layers
@@ -156,6 +164,7 @@ def distill(config: DistillConfig, on_stage: Stage = lambda stage, done, total, 
 
     on_stage("train", trainer.step, config.train.steps, {})
     evaluations = trainer.train(show)
+    best = trainer.restore_best()
     seconds["train"] = time.perf_counter() - tick
     on_stage("write", 0, 1, {})
     report = DistillReport(
@@ -167,6 +176,7 @@ def distill(config: DistillConfig, on_stage: Stage = lambda stage, done, total, 
         holdout_tokens=int(holdout.lengths.sum()),
         draft_vocab_coverage=_coverage(holdout, draft_vocab),
         evaluations=evaluations,
+        best_step=best.step,
         seconds=seconds,
     )
     _write_checkpoint(config, draft.eval(), tokenizer, report)
@@ -219,11 +229,9 @@ def _labelled_corpus(
         decoder.close()
         seconds["generate"] = time.perf_counter() - tick
     chunks = corpus.chunks(sequences, data.seq_len)
-    # Text files: every chunk is a group of its own (they are distinct stretches of text).
-    texts = corpus.chunks(
-        [(-1, ids) for ids in corpus.text_files([Path(t) for t in data.texts], tokenizer)], data.seq_len
-    )
-    chunks += [(-1 - n, ids) for n, (_, ids) in enumerate(texts)]
+    # Text files: each is a group of its own (negative, apart from the prompts' groups).
+    texts = corpus.text_files([Path(t) for t in data.texts], tokenizer, data.max_text_tokens, config.train.seed)
+    chunks += corpus.chunks([(-1 - n, ids) for n, ids in enumerate(texts)], data.seq_len)
     groups = torch.tensor([g for g, _ in chunks])
     if len(groups.unique()) < 2:
         raise DistillError(

@@ -46,7 +46,9 @@ class Evaluation:
 
 
 class DistillTrainer:
-    """Trains ``draft`` (only its parameters that require gradients) on ``train``; evaluates on ``holdout``.
+    """Trains ``draft`` (only its parameters that require gradients) on ``train``; evaluates on ``holdout``
+    and keeps the weights of the best held-out acceptance seen (``restore_best``: a small draft trained for
+    many epochs on a small corpus overfits, and its held-out acceptance then falls).
 
     The batch of step s is fixed by the seed and s alone (epoch e is a seeded permutation), so a run
     resumed from its saved state continues exactly as if it had never stopped."""
@@ -76,6 +78,8 @@ class DistillTrainer:
         self.step = 0
         self.losses: list[float] = []
         self.evaluations: list[Evaluation] = []
+        self.best: Evaluation | None = None
+        self.best_weights: dict[str, torch.Tensor] = {}
         self._permutations: dict[int, torch.Tensor] = {}
 
     def _learning_rate_factor(self, step: int) -> float:
@@ -154,7 +158,7 @@ class DistillTrainer:
         """Run (or continue) to ``settings.steps``; evaluates and saves the state every ``eval_every``
         steps and at the end. Returns every evaluation so far."""
         if not self.evaluations:
-            self.evaluations.append(self.evaluate())
+            self._record(self.evaluate())
         while self.step < self.settings.steps:
             loss = self.loss(self.train_labels.subset(self.batch_rows(self.step)))
             self.optimizer.zero_grad(set_to_none=True)
@@ -165,19 +169,37 @@ class DistillTrainer:
             self.step += 1
             self.losses.append(float(loss.detach()))
             if self.step % self.settings.eval_every == 0 or self.step == self.settings.steps:
-                self.evaluations.append(self.evaluate())
+                self._record(self.evaluate())
                 self.save_state()
             on_step(self)
         return self.evaluations
+
+    def _record(self, evaluation: Evaluation) -> None:
+        self.evaluations.append(evaluation)
+        if self.best is None or evaluation.acceptance > self.best.acceptance:
+            self.best = evaluation
+            self.best_weights = {k: v.detach().clone() for k, v in self._trainable_weights().items()}
+
+    def restore_best(self) -> Evaluation:
+        """Load the weights of the best held-out acceptance seen; returns that evaluation."""
+        if self.best is None:
+            raise RuntimeError("nothing was evaluated yet")
+        self.draft.load_state_dict(self.best_weights, strict=False)
+        return self.best
+
+    def _trainable_weights(self) -> dict[str, torch.Tensor]:
+        trainable = {name for name, p in self.draft.named_parameters() if p.requires_grad}
+        return {k: v for k, v in self.draft.state_dict().items() if k in trainable}
 
     def save_state(self) -> None:
         """Write the resumable state (trainable weights, optimiser, schedule, history) atomically."""
         if self.state_file is None:
             return
-        trainable = {name for name, p in self.draft.named_parameters() if p.requires_grad}
         state = {
             "step": self.step,
-            "weights": {k: v for k, v in self.draft.state_dict().items() if k in trainable},
+            "weights": self._trainable_weights(),
+            "best": self.best.__dict__ if self.best else None,
+            "best_weights": self.best_weights,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "losses": self.losses,
@@ -196,3 +218,5 @@ class DistillTrainer:
         self.step = state["step"]
         self.losses = state["losses"]
         self.evaluations = [Evaluation(**e) for e in state["evaluations"]]
+        self.best = Evaluation(**state["best"]) if state["best"] else None
+        self.best_weights = state["best_weights"]
