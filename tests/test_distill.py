@@ -122,11 +122,13 @@ def test_refusals_before_any_work(distilled, target, prompts_file, tmp_path) -> 
         )
 
 
-def test_cli_trains_from_a_text_file(target, tmp_path) -> None:
-    text = tmp_path / "corpus.txt"
-    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+def test_cli_trains_from_text_files(target, tmp_path) -> None:
+    texts = [tmp_path / "fox.txt", tmp_path / "cat.txt"]
+    texts[0].write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    texts[1].write_text("the cat sat on the mat, and the dog sat on the log. " * 40)
     out = tmp_path / "draft"
-    args = ["--out", out, "--target", target, "--text", text, "--no-self-generate", "--num-layers", "2"]
+    args = ["--out", out, "--target", target, "--text", texts[0], "--text", texts[1], "--no-self-generate"]
+    args += ["--num-layers", "2"]
     args += ["--init-layers", "2,0", "--draft-vocab-size", "0", "--steps", "3", "--seq-len", "64", "--eval-every", "3"]
     result = CliRunner().invoke(distill_command, [str(a) for a in args])
     assert result.exit_code == 0, result.output
@@ -137,6 +139,10 @@ def test_cli_trains_from_a_text_file(target, tmp_path) -> None:
     assert report["layers"] == [2, 0] and report["draft_vocab_coverage"] == 1.0
     again = CliRunner().invoke(distill_command, [str(a) for a in args])
     assert again.exit_code != 0 and "not empty" in again.output
+    alone = ["--out", tmp_path / "alone", "--target", target, "--text", texts[0], "--no-self-generate"]
+    alone += ["--draft-vocab-size", "0"]
+    single = CliRunner().invoke(distill_command, [str(a) for a in alone])
+    assert single.exit_code != 0 and "at least two" in single.output
 
 
 def test_first_layers() -> None:

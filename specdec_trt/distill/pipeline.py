@@ -235,7 +235,8 @@ def _labelled_corpus(
     groups = torch.tensor([g for g, _ in chunks])
     if len(groups.unique()) < 2:
         raise DistillError(
-            f"the corpus has {len(groups.unique())} prompt(s) or text chunk(s): give more text or prompts"
+            f"the corpus has {len(groups.unique())} prompt(s) and text file(s); held-out evaluation holds out "
+            "whole ones, so give at least two"
         )
     tick = time.perf_counter()
     labels = label(
