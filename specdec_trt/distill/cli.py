@@ -74,7 +74,7 @@ from specdec_trt.distill.trainer import TrainSettings
     "--holdout-fraction",
     type=float,
     default=0.05,
-    help="Share of prompts (all their continuations) held out for evaluation.",
+    help="Share of prompts (all their continuations) and of text files (whole) held out for evaluation.",
 )
 @click.option("--steps", type=click.IntRange(min=1), default=1500, help="Optimiser steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Chunks per step.")

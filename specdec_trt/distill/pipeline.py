@@ -54,7 +54,7 @@ class DataSettings:
     max_prompts: int | None = None
     seq_len: int = 256
     label_top_k: int = 64
-    holdout_fraction: float = 0.05  # of the prompts (text files: of their chunks)
+    holdout_fraction: float = 0.05  # of the prompts and text files, each held out whole
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _labelled_corpus(
             "target": str(config.target),
             "vocab": config.draft_vocab_size,
             "seed": config.train.seed,
-            "split": "by prompt",
+            "split": "by prompt and file",
         },
         sort_keys=True,
     )
@@ -233,10 +233,11 @@ def _labelled_corpus(
     texts = corpus.text_files([Path(t) for t in data.texts], tokenizer, data.max_text_tokens, config.train.seed)
     chunks += corpus.chunks([(-1 - n, ids) for n, ids in enumerate(texts)], data.seq_len)
     groups = torch.tensor([g for g, _ in chunks])
-    if len(groups.unique()) < 2:
+    sources = len(groups.unique())
+    if sources < 2:
         raise DistillError(
-            f"the corpus has {len(groups.unique())} prompt(s) and text file(s); held-out evaluation holds out "
-            "whole ones, so give at least two"
+            f"the corpus has {sources} prompt(s) and text file(s); held-out evaluation holds out whole ones, "
+            "so give at least two"
         )
     tick = time.perf_counter()
     labels = label(
@@ -259,8 +260,8 @@ def _labelled_corpus(
 
 
 def _holdout_rows(groups: torch.Tensor, fraction: float, seed: int) -> torch.Tensor:
-    """The rows of a seeded ``fraction`` of the groups (at least one, never all): whole prompts are held
-    out, so no continuation of a held-out prompt is trained on."""
+    """The rows of a seeded ``fraction`` of the groups (at least one, never all): whole prompts and files
+    are held out, so no continuation of a held-out prompt, nor any part of a held-out file, is trained on."""
     names = groups.unique()
     order = names[torch.randperm(len(names), generator=torch.Generator().manual_seed(seed))]
     held = order[: min(max(1, round(fraction * len(names))), len(names) - 1)]
