@@ -151,6 +151,7 @@ def test_summary_figures_match_hand_computation() -> None:
     assert p["speedup_vs_transformers_generate"] == pytest.approx((10 / 5 + (11 / 2.1) / 5) / 2)
     assert s["prompts"] == 2 and s["runs"] == 4
     assert s["tokens_per_s"] == pytest.approx((11 / 0.6 + 10) / 2)
+    assert s["tokens_per_s_by_prompt"] == pytest.approx({"a": 11 / 0.6, "b": 10.0})
     # per prompt: a (11/0.6)/10, b 10/(11/2.1); then the median of the two
     assert s["speedup_vs_plain"] == pytest.approx(((11 / 0.6) / 10 + 10 / (11 / 2.1)) / 2)
     assert s["decode_speedup_vs_plain"] == pytest.approx(2.0)  # a: 20/10 tok/s, b: 10/5
@@ -193,22 +194,24 @@ def test_auto_is_named_and_matched_with_transformers_heuristic_schedule() -> Non
 
 
 def test_auto_table_compares_with_the_best_fixed_gamma() -> None:
-    """Per suite, temperature and draft: the fixed gamma with the most tok/s, auto's tok/s and the ratio."""
+    """Per suite, temperature and draft: the fixed gamma with the most tok/s, auto's tok/s and the ratio, and
+    the same ratio prompt by prompt (median and range)."""
 
-    def row(draft, k, tokens_per_s, suite="s", family=OURS, drafts_per_round=None) -> dict:
+    def row(draft, k, tokens_per_s, suite="s", family=OURS, drafts_per_round=None, by_prompt=None) -> dict:
         name = Method(family, draft, k).name
         return {"suite": suite, "temperature": 0.0, "method": name, "family": family, "draft": draft} | {
             "num_draft_tokens": k,
             "tokens_per_s": tokens_per_s,
+            "tokens_per_s_by_prompt": by_prompt or {},
             "drafts_per_round": drafts_per_round,
         }
 
     summary = [
         row(None, 0, 10.0),
         row("d", 1, 12.0),
-        row("d", 4, 15.0),
+        row("d", 4, 15.0, by_prompt={"a": 10.0, "b": 15.0, "c": 20.0}),
         row("d", 8, 14.0),
-        row("d", AUTO, 15.3, drafts_per_round=3.4),
+        row("d", AUTO, 15.3, drafts_per_round=3.4, by_prompt={"a": 9.0, "b": 15.3, "c": 22.0, "only-auto": 5.0}),
         row("n", 2, 20.0),
         row("n", AUTO, 19.0, drafts_per_round=5.0),
         row("d", HEURISTIC, 9.0, family=TRANSFORMERS),
@@ -216,8 +219,9 @@ def test_auto_table_compares_with_the_best_fixed_gamma() -> None:
     ]
     lines = auto_table(summary).splitlines()
     assert lines[0].startswith("| suite | sampling | draft | best fixed gamma | its tok/s | auto tok/s |")
-    assert lines[2] == "| s | greedy | d | k=4 | 15.0 | 15.3 | 1.020 | 3.40 | 9.0 |"
-    assert lines[3] == "| s | greedy | n | k=2 | 20.0 | 19.0 | 0.950 | 5.00 | - |"
+    # per prompt a 0.9, b 1.02, c 1.1 (the prompt only auto ran is left out): median 1.02, range 0.90-1.10
+    assert lines[2] == "| s | greedy | d | k=4 | 15.0 | 15.3 | 1.020 | 1.020 (0.90-1.10) | 3.40 | 9.0 |"
+    assert lines[3] == "| s | greedy | n | k=2 | 20.0 | 19.0 | 0.950 | - | 5.00 | - |"
     assert len(lines) == 4
     assert auto_table([r for r in summary if r["num_draft_tokens"] != AUTO]) == ""
 

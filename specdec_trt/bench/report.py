@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Sequence
 from itertools import groupby
 from pathlib import Path
@@ -59,7 +60,8 @@ def markdown_tables(summary: Sequence[dict]) -> str:
 def auto_table(summary: Sequence[dict]) -> str:
     """Per suite, temperature and draft measured with num_draft_tokens "auto": its tok/s against the best
     fixed gamma's (highest tok/s) and transformers' heuristic schedule on the same draft, when measured;
-    empty when no "auto" method ran."""
+    empty when no "auto" method ran. Beside the ratio of the medians, the same ratio taken prompt by prompt
+    (the median and the range over prompts), which shows how far the machine's noise and the prompts move it."""
     lookup = {(*_setting(r), r["method"]): r for r in summary}
     lines = []
     for auto in (r for r in summary if r["family"] == OURS and r["num_draft_tokens"] == AUTO):
@@ -82,6 +84,7 @@ def auto_table(summary: Sequence[dict]) -> str:
             _cell(best.get("tokens_per_s"), "{:.1f}"),
             _cell(auto["tokens_per_s"], "{:.1f}"),
             _cell(ratio, "{:.3f}"),
+            _per_prompt_ratio(auto, best),
             _cell(auto["drafts_per_round"], "{:.2f}"),
             _cell(heuristic.get("tokens_per_s"), "{:.1f}"),
         ]
@@ -90,9 +93,19 @@ def auto_table(summary: Sequence[dict]) -> str:
         return ""
     header = (
         "| suite | sampling | draft | best fixed gamma | its tok/s | auto tok/s | auto / best fixed "
-        "| auto drafts per round | transformers heuristic tok/s |\n|---|---|---|---|---|---|---|---|---|"
+        "| per prompt: median (range) | auto drafts per round | transformers heuristic tok/s |\n"
+        "|---|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([header, *lines]) + "\n"
+
+
+def _per_prompt_ratio(auto: dict, best: dict) -> str:
+    """auto / best tok/s prompt by prompt, as "median (lowest-highest)"; "-" when no prompt has both."""
+    mine, theirs = auto.get("tokens_per_s_by_prompt") or {}, best.get("tokens_per_s_by_prompt") or {}
+    ratios = sorted(mine[p] / theirs[p] for p in mine.keys() & theirs.keys())
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.3f} ({ratios[0]:.2f}-{ratios[-1]:.2f})"
 
 
 def best_speculative(summary: Sequence[dict]) -> dict[tuple[str, float], dict]:

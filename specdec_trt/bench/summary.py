@@ -85,6 +85,7 @@ def _row(method: Method, runs: list[dict], medians: dict, plain_step_s: float | 
         "prompts": len(mine),
         "runs": len(runs),
         "tokens_per_s": statistics.median(m["tokens_per_s"] for m in mine.values()),
+        "tokens_per_s_by_prompt": {prompt_id: m["tokens_per_s"] for prompt_id, m in mine.items()},
         "decode_tokens_per_s": statistics.median(m["decode_tokens_per_s"] for m in mine.values()),
         "ttft_ms": 1e3 * statistics.median(m["ttft_s"] for m in mine.values()),
         "draft_prefill_ms": 1e3 * statistics.median(m["draft_prefill_s"] for m in mine.values()),
