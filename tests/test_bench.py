@@ -37,6 +37,7 @@ RUN_FIELDS = {
     "prompt_id": str,
     "prompt_tokens": int,
     "repeat": int,
+    "seed": int,
     "method": str,
     "generated_tokens": int,
     "total_s": float,
@@ -306,6 +307,11 @@ def test_every_method_runs_on_checkpoints(models: dict[str, Path], suite_file: P
     ours = [r for r in greedy if not r["method"].startswith("transformers")]
     assert all(r["same_tokens_as_plain"] for r in ours), "speculative greedy output must equal plain output"
     assert all(r["same_tokens_as_plain"] is None for r in data["runs"] if r["temperature"] > 0)
+    seeds: dict[tuple, set[int]] = {}  # per prompt and repeat: the seeds its methods drew with
+    for r in data["runs"]:
+        seeds.setdefault((r["temperature"], r["prompt_id"], r["repeat"]), set()).add(r["seed"])
+    assert all(len(drawn) == 1 for drawn in seeds.values()), "every method must draw with the same seed"
+    assert sorted(next(iter(drawn)) for key, drawn in seeds.items() if key[0] > 0) == [0, 1, 2, 3]
     rows = {(r["temperature"], r["method"]): r for r in data["summary"]}
     spec = rows[(0.0, f"{draft} k=2")]
     assert 0 <= spec["acceptance_rate"] <= 1 and len(spec["per_position_acceptance"]) == 2

@@ -124,7 +124,13 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     default=True,
     help="Generate exactly --max-new-tokens with every method (EOS ignored), or stop at EOS.",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Base seed of sampled requests.")
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    help="Base seed of sampled requests: each prompt and repeat draws its own text (seed + prompt index x "
+    "repeats + repeat), the same for every method.",
+)
 @click.option(
     "--peers/--no-peers", default=True, help="Also time transformers' generate and assisted generation, same weights."
 )

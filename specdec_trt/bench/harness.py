@@ -29,8 +29,10 @@ class Runner(Protocol):
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """What to measure. ``seed`` + the prompt's index seeds each sampled request (the same for every
-    method and repeat); ``ignore_eos`` gives every method the same number of tokens."""
+    """What to measure. Each prompt and repeat seeds its sampled requests with its own seed, the same for
+    every method: a sampled method's median then pools ``repeats`` texts per prompt, so no method is timed
+    on a single lucky or unlucky draw (how many drafts are accepted depends on the text). ``ignore_eos``
+    gives every method the same number of tokens."""
 
     suites: tuple[str, ...]
     num_draft_tokens: tuple[int | str, ...]  # integers and "auto"
@@ -42,11 +44,14 @@ class BenchConfig:
     seed: int = 0
     ignore_eos: bool = True
 
-    def params(self, temperature: float, index: int, max_new_tokens: int | None = None) -> SamplingParams:
+    def params(
+        self, temperature: float, index: int, repeat: int = 0, max_new_tokens: int | None = None
+    ) -> SamplingParams:
+        """The request of prompt ``index`` in repeat ``repeat``: seed ``seed + index * repeats + repeat``."""
         return SamplingParams(
             max_new_tokens=max_new_tokens or self.max_new_tokens,
             temperature=temperature,
-            seed=self.seed + index,
+            seed=self.seed + index * self.repeats + repeat,
             ignore_eos=self.ignore_eos,
         )
 
@@ -101,10 +106,11 @@ def run_benchmark(
             if config.warmup:
                 for method in results.methods:
                     on_run(f"{suite.name} t={temperature} warm-up {method.name}")
-                    runners[method.family].run(method, encoded[0], config.params(temperature, 0, WARMUP_TOKENS))
+                    warmup = config.params(temperature, 0, max_new_tokens=WARMUP_TOKENS)
+                    runners[method.family].run(method, encoded[0], warmup)
             for index, (prompt, prompt_ids) in enumerate(zip(prompts, encoded)):
-                params = config.params(temperature, index)
                 for repeat in range(config.repeats):
+                    params = config.params(temperature, index, repeat)
                     plain_tokens = None
                     for method in results.methods:
                         on_run(f"{suite.name} t={temperature} {prompt.id} #{repeat + 1} {method.name}")
@@ -119,6 +125,7 @@ def run_benchmark(
                                 "prompt_id": prompt.id,
                                 "prompt_tokens": len(prompt_ids),
                                 "repeat": repeat,
+                                "seed": params.seed,
                                 "method": method.name,
                                 **run.to_dict(),
                                 "same_tokens_as_plain": same,
