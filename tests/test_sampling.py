@@ -153,7 +153,9 @@ def test_mixed_batch_each_row_matches_its_own_reference() -> None:
         SamplingParams(temperature=1.0, top_k=VOCAB + 1),
     ]
     logits = random_logits(len(params), 4, seed=5)
+    original = logits.clone()
     probs = BatchSampler(params).probs(logits)
+    assert torch.equal(logits, original), "warping works in place on its own copies, never on the logits"
     assert_matches_reference(probs, logits, params)
     for row in (0, 3):
         one_hot = torch.nn.functional.one_hot(logits[row].argmax(-1), VOCAB).float()
