@@ -33,6 +33,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 MAX_DRAFT_LEN_LIMIT = 32
 VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
 DRAFT_INT4, DRAFT_NONE = "int4", "none"
+QUANTIZATIONS = ("none", "int4")  # of a model built from its own checkpoint; int4: MatMulNBits, block 32
 PRESETS = {
     "smollm2-135m": {"target": None, "draft": DRAFT_INT4, "max_draft_len": 8, "max_context": 2048, "dtype": "float32"},
 }
@@ -45,7 +46,10 @@ class BuildError(ValueError):
 @dataclass(frozen=True)
 class BuildRequest:
     """What to build. ``target=None`` is the embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint,
-    "int4" (the target block-quantized to 4 bits) or "none"."""
+    "int4" (the target block-quantized to 4 bits) or "none". ``target_quantization`` and
+    ``draft_quantization`` block-quantize that checkpoint's linear layers to 4 bits ("int4"): a cheaper
+    draft (speculative decoding stays exact for any draft), or a smaller target, whose own output it then
+    is."""
 
     out: Path
     target: str | Path | None = None
@@ -53,6 +57,8 @@ class BuildRequest:
     max_draft_len: int = 8
     max_context: int = 2048
     dtype: str = "float32"
+    target_quantization: str = "none"
+    draft_quantization: str = "none"
     force: bool = False
 
 
@@ -66,6 +72,19 @@ def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | Non
     """Every refusal that needs no weights: returns the target's and the draft checkpoint's configs."""
     if request.dtype not in DTYPES:
         raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(DTYPES)}")
+    for role, quantization in (("target", request.target_quantization), ("draft", request.draft_quantization)):
+        if quantization not in QUANTIZATIONS:
+            raise BuildError(f"{role} quantization {quantization!r} is not supported: choose none or int4")
+    if request.draft_quantization != "none" and str(request.draft) in (DRAFT_INT4, DRAFT_NONE):
+        raise BuildError(
+            f"--draft-quantization applies to a draft checkpoint, not to --draft {request.draft}"
+            + (" (already the target quantized to int4)" if str(request.draft) == DRAFT_INT4 else "")
+        )
+    if request.target_quantization == "int4" and str(request.draft) == DRAFT_INT4:
+        raise BuildError(
+            "the int4 self-draft of an int4 target would be the target itself: give a draft checkpoint, or "
+            "--draft none (prompt lookup needs no draft engine)"
+        )
     if request.out.exists() and any(request.out.iterdir()) and not request.force:
         raise BuildError(f"{request.out} exists and is not empty: choose another --out or pass --force to replace it")
     target_header = read_header(_target_path(request))
@@ -122,22 +141,30 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     on_stage("quantize")
     if request.draft == DRAFT_INT4:
         quantize_int4(directory / "raw" / "target.onnx", directory / "raw" / "draft.onnx")
-    on_stage("optimise")
     roles = ["target"] + ([] if request.draft == DRAFT_NONE else ["draft"])
+    graphs = {role: directory / "raw" / f"{role}.onnx" for role in roles}
+    quantized = {role for role in roles if getattr(request, f"{role}_quantization") == "int4"}
+    for role in quantized:
+        graphs[role] = directory / "raw" / f"{role}-int4.onnx"
+        quantize_int4(directory / "raw" / f"{role}.onnx", graphs[role])
+    on_stage("optimise")
     for role in roles:
-        _optimise(directory / "raw" / f"{role}.onnx", directory / role / "model.onnx")
+        _optimise(graphs[role], directory / role / "model.onnx")
     shutil.rmtree(directory / "raw")
     on_stage("verify")
-    entries = {"target": _entry(request, target, "target", "none")}
+    int4 = f"int4-block{INT4_BLOCK_SIZE}"
+    entries = {"target": _entry(request, target, "target", int4 if "target" in quantized else "none")}
     if draft is not None:
-        entries["draft"] = _entry(request, draft, "draft", "none")
+        entries["draft"] = _entry(request, draft, "draft", int4 if "draft" in quantized else "none")
     elif request.draft == DRAFT_INT4:
-        entries["draft"] = _entry(request, target, "draft", f"int4-block{INT4_BLOCK_SIZE}")
-    _verify(directory, entries["target"], target_model, request)
-    if draft_model is not None:
-        _verify(directory, entries["draft"], draft_model, request)
-    elif "draft" in entries:
-        _verify_runs(directory, entries["draft"])
+        entries["draft"] = _entry(request, target, "draft", int4)
+    # A quantized graph cannot match the float model's logits: it must load and score every position.
+    for role, model in (("target", target_model), ("draft", draft_model)):
+        if role in entries:
+            if model is None or role in quantized:
+                _verify_runs(directory, entries[role])
+            else:
+                _verify(directory, entries[role], model, request)
     on_stage("write")
     tokenizer = target.tokenizer
     if tokenizer is not None:
@@ -221,9 +248,10 @@ def _logit_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 
 
 def _verify_runs(directory: Path, entry: ModelEntry) -> None:
-    """The draft graph loads and gives finite logits for a prompt and a full verify block."""
+    """A quantized graph loads and scores a prompt and a full verify block: no NaN or +inf, and every
+    position has a finite best score (a vocabulary-pruned model gives -inf outside its vocabulary)."""
     engine = OrtEngine(model_spec(directory, entry))
     logits = engine.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3]))
     logits = torch.cat([logits, engine.forward(torch.tensor([[4] * (entry.max_draft_len + 1)]))[0]])
-    if not bool(torch.isfinite(logits).all()):
-        raise BuildError("the draft graph produced non-finite logits")
+    if bool(logits.isnan().any() | (logits == float("inf")).any()) or not bool(logits.amax(-1).isfinite().all()):
+        raise BuildError(f"the {entry.graph.split('/')[0]} graph produced non-finite logits")

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from build_engines.manifest import MANIFEST_NAME
 from runtime.ort_engine import PROVIDERS
-from specdec_trt.build import PRESETS, STAGES, BuildRequest, build, default_engine_dir
+from specdec_trt.build import PRESETS, QUANTIZATIONS, STAGES, BuildRequest, build, default_engine_dir
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, GenerationOutput, SpeculativeDecoder
 from specdec_trt.sampling import SamplingParams
 
@@ -210,6 +210,18 @@ def run(
 @click.option("--max-context", type=click.IntRange(min=16), help="KV cache positions. [default: 2048]")
 @click.option("--dtype", type=click.Choice(["float32", "float16"]), help="Weight dtype. [default: float32]")
 @click.option(
+    "--draft-quantization",
+    type=click.Choice(QUANTIZATIONS),
+    help="Quantize a draft checkpoint's linear layers to 4 bits (block 32): a cheaper draft, and the output "
+    "stays exactly the target's. [default: none]",
+)
+@click.option(
+    "--target-quantization",
+    type=click.Choice(QUANTIZATIONS),
+    help="Quantize the target's linear layers to 4 bits (block 32): a smaller, faster target whose own "
+    "output is then what decoding reproduces (for a directory used as another engine's draft). [default: none]",
+)
+@click.option(
     "--out", type=click.Path(path_type=Path), help="Engine directory to write. [default with --preset: engines/PRESET]"
 )
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Defaults for a known model; explicit options win.")
@@ -220,6 +232,8 @@ def build_command(
     max_draft_len: int | None,
     max_context: int | None,
     dtype: str | None,
+    draft_quantization: str | None,
+    target_quantization: str | None,
     out: Path | None,
     preset: str | None,
     force: bool,
@@ -232,6 +246,7 @@ def build_command(
       specdec-build --preset smollm2-135m
       specdec-build --target ./llama-1b --draft ./llama-160m --max-draft-len 6 --out engines/llama
       specdec-build --target model.gguf --draft int4 --out engines/model-int4-draft
+      specdec-build --target model.gguf --draft drafts/distilled --draft-quantization int4 --out engines/m
     """
     given = {
         "target": target,
@@ -239,6 +254,8 @@ def build_command(
         "max_draft_len": max_draft_len,
         "max_context": max_context,
         "dtype": dtype,
+        "draft_quantization": draft_quantization,
+        "target_quantization": target_quantization,
     }
     settings = {"draft": "int4", "max_draft_len": 8, "max_context": 2048, "dtype": "float32"}
     if preset is not None:

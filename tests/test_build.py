@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import onnx
 import pytest
+import torch
 from click.testing import CliRunner, Result
 from conftest import CHARS, build_model, char_tokenizer
 
 from build_engines.checkpoint import CheckpointError
 from build_engines.manifest import MANIFEST_NAME, read_manifest
+from build_engines.model import DRAFT_VOCAB_KEY
 from build_engines.onnx_export import ExportError
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import STAGES, BuildError, BuildRequest, build, check_request
@@ -179,10 +183,14 @@ def test_build_command_refuses_with_a_clear_error(case: str, checkpoints: Checkp
         ({"max_draft_len": 33}, r"--max-draft-len must be in \[1, 32\], got 33"),
         ({"max_context": 9, "max_draft_len": 8}, "--max-context 9 leaves no room"),
         ({"dtype": "bfloat16"}, "dtype 'bfloat16' is not supported"),
+        ({"target_quantization": "int8"}, "target quantization 'int8' is not supported: choose none or int4"),
+        ({"draft_quantization": "int4"}, "--draft-quantization applies to a draft checkpoint, not to --draft none"),
+        ({"draft": "int4", "draft_quantization": "int4"}, r"not to --draft int4 \(already the target quantized"),
+        ({"draft": "int4", "target_quantization": "int4"}, "int4 self-draft of an int4 target would be the target"),
     ],
 )
 def test_build_api_refuses_bad_settings(overrides: dict, message: str, checkpoints: Checkpoints, tmp_path) -> None:
-    request = BuildRequest(out=tmp_path / "engines", target=checkpoints.target, draft="none", **overrides)
+    request = BuildRequest(**{"out": tmp_path / "engines", "target": checkpoints.target, "draft": "none", **overrides})
     with pytest.raises(BuildError, match=message):
         check_request(request)
     with pytest.raises(BuildError, match=message):
@@ -334,6 +342,58 @@ def test_failed_build_leaves_no_partial_directory(checkpoints: Checkpoints, tmp_
 
 
 # --- regressions of bugs found by these tests -----------------------------------------------------------------
+
+
+def graph_op_types(graph: Path) -> set[str]:
+    return {node.op_type for node in onnx.load(graph, load_external_data=False).graph.node}
+
+
+def test_int4_quantized_pruned_draft(checkpoints: Checkpoints, tmp_path: Path) -> None:
+    """--draft-quantization int4 on a vocabulary-pruned draft checkpoint (what specdec-distill writes): the
+    draft graph runs MatMulNBits, keeps -inf outside its vocabulary, and decoding stays exactly the target's.
+    --target-quantization int4 builds the same checkpoint alone (a draft directory for specdec-bench)."""
+    pruned = tmp_path / "pruned-draft"
+    shutil.copytree(checkpoints.draft, pruned)
+    config = json.loads((pruned / "config.json").read_text())
+    vocab = list(range(0, config["vocab_size"], 2))
+    (pruned / "config.json").write_text(json.dumps(config | {DRAFT_VOCAB_KEY: vocab}))
+    common = ["--max-draft-len", str(MAX_DRAFT_LEN), "--max-context", str(MAX_CONTEXT)]
+    both = start_console_build(
+        "--target", str(checkpoints.target), "--draft", str(pruned), "--draft-quantization", "int4",
+        *common, "--out", str(tmp_path / "both"),
+    )  # fmt: skip
+    alone = start_build(
+        BuildRequest(
+            out=tmp_path / "alone",
+            target=pruned,
+            draft="none",
+            target_quantization="int4",
+            max_draft_len=MAX_DRAFT_LEN,
+            max_context=MAX_CONTEXT,
+        )
+    )
+    _, stderr = both.communicate(timeout=300)
+    assert both.returncode == 0, stderr[-3000:]
+    assert finish_build(alone).returncode == 0
+    manifest = read_manifest(tmp_path / "both")
+    assert (manifest.target.quantization, manifest.draft.quantization) == ("none", "int4-block32")
+    assert manifest.draft_kind == "model"
+    assert "MatMulNBits" in graph_op_types(tmp_path / "both" / "draft" / "model.onnx")
+    assert "MatMulNBits" not in graph_op_types(tmp_path / "both" / "target" / "model.onnx")
+    assert read_manifest(tmp_path / "alone").target.quantization == "int4-block32"
+    assert "MatMulNBits" in graph_op_types(tmp_path / "alone" / "target" / "model.onnx")
+
+    decoder = SpeculativeDecoder.from_engines(tmp_path / "both")
+    logits = decoder.drafter.engine.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3]))[0]
+    outside = torch.ones_like(logits, dtype=torch.bool)
+    outside[vocab] = False
+    assert bool(torch.isneginf(logits[outside]).all()) and bool(torch.isfinite(logits[~outside]).all())
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    plain = decoder.generate("abcabc hello", params, num_draft_tokens=0)
+    for gamma in (3, "auto"):
+        speculative = decoder.generate("abcabc hello", params, num_draft_tokens=gamma)
+        assert speculative.token_ids == plain.token_ids
+        assert speculative.stats.accepted_tokens > 0
 
 
 def test_two_builds_in_one_process(checkpoints: Checkpoints, tmp_path: Path) -> None:
