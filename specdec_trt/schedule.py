@@ -12,13 +12,9 @@ Cost model of one round of a batch that drafts g tokens:
 where p_ri is row r's acceptance of its i-th draft given the ones before it were accepted. Acceptance is
 bursty (a rejection often follows a rejection; a run of easy text accepts whole drafts), so later drafts are
 accepted more often than the first, and a single per-token rate undervalues long drafts. Each p_ri is
-estimated from the rounds that reached draft i, shrunk towards the estimate of the draft before it (p_r1
-towards the row's pooled rate p_r, a geometric maximum-likelihood estimate on top of a weak fixed prior;
-successes: accepted drafts; trials: accepted drafts plus one when the round rejected a draft); a draft
-never reached yet takes the estimate before it. Shrinking along the draft, not to p_r, follows what we
-measure (acceptance given the drafts before it rarely falls with the position) and keeps one rejection at a
-rarely reached position from holding drafts short for long: with the previous position worth 3 trials, a
-lone rejection pulls 0.86 to 0.65, not to 0.57, and the next drafts there are probed again. All evidence decays by
+estimated from the rounds that reached draft i, shrunk towards the row's pooled rate p_r, a geometric
+maximum-likelihood estimate on top of a weak fixed prior (successes: accepted drafts; trials: accepted drafts
+plus one when the round rejected a draft); drafts never reached yet take p_r. All evidence decays by
 ``decay`` per drafted token, so the estimates follow the text, prose then code, over the same number of
 drafts whatever gamma is (a decay per round would let short drafts starve the estimate, pulling it to the
 prior and keeping drafts short); a plain round fades it as one draft would, so that evidence from a stretch
@@ -41,7 +37,7 @@ import numpy as np
 
 FIRST_DRAFT_LENGTH = 4  # the first round, before anything was measured
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a weak prior: acceptance 0.5, worth two drafts
-POSITION_SHRINK = 3.0  # the previous position's estimate against a position's own evidence, in trials
+POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate, in trials
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
 TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
 PROBE_EVERY = 4  # at most PROBE_EVERY - 1 plain rounds in a row
@@ -107,12 +103,8 @@ class DraftLengthController:
 
     def position_acceptance(self) -> np.ndarray:
         """[B, max_draft] p_ri: acceptance of draft i given the drafts before it were accepted."""
-        estimates = np.empty_like(self.passed)
-        prior = self.acceptance()
-        for i in range(self.max_draft):
-            prior = (POSITION_SHRINK * prior + self.passed[:, i]) / (POSITION_SHRINK + self.reached[:, i])
-            estimates[:, i] = prior
-        return estimates
+        pooled = self.acceptance()[:, None]
+        return (POSITION_SHRINK * pooled + self.passed) / (POSITION_SHRINK + self.reached)
 
     def unconfident_acceptance(self) -> float:
         """Estimated acceptance of a draft token the draft was unconfident about."""

@@ -105,35 +105,19 @@ def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     assert controller.acceptance() == pytest.approx([(1 + 2 * fade + 4) / (2 + 3 * fade + 4), 5 / 6, 1 / (3 + fade)])
 
 
-def test_per_position_acceptance_is_shrunk_along_the_draft() -> None:
-    """p_ri counts the rounds that reached draft i and accepted it, with the estimate of draft i - 1 (for the
-    first draft, the row's pooled rate) worth POSITION_SHRINK trials; drafts never reached take the estimate
-    before them."""
+def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
+    """p_ri counts the rounds that reached draft i and accepted it, with the row's pooled rate worth
+    POSITION_SHRINK trials; drafts never reached take the pooled rate."""
     controller = DraftLengthController(4, 1, decay=1.0)
     controller.observe(3, [0], [True], 0.03, 0.1)  # the first draft rejected
     controller.observe(3, [3], [True], 0.03, 0.1)  # all three accepted
     pooled = (1 + 3) / (2 + 4)
     assert controller.acceptance()[0] == pytest.approx(pooled)
-    expected, prior = [], pooled
-    for passed, reached in [(1, 2), (1, 1), (1, 1), (0, 0)]:
-        prior = (POSITION_SHRINK * prior + passed) / (POSITION_SHRINK + reached)
-        expected.append(prior)
-    assert expected[3] == expected[2]
-    assert controller.position_acceptance()[0] == pytest.approx(expected)
-
-
-def test_one_rejection_at_a_rarely_reached_draft_does_not_hold_drafts_short() -> None:
-    """A row accepts 85% of first drafts; its second draft, reached once, was rejected. With these costs a
-    second draft pays if it is accepted more than 59% of the time: shrunk to the first draft's 0.85 it is
-    (0.64), so the controller drafts two and measures it again. Shrunk to the pooled rate (0.82) with the
-    weight of two trials, as before, that one rejection gave 0.55, and the controller chose one draft."""
-    controller = DraftLengthController(MAX, 1, decay=1.0)
-    for n in range(40):
-        controller.observe(1, [0 if n % 7 == 0 else 1], [True], 0.007, 0.026)
-    controller.observe(2, [1], [True], 0.014, 0.028)  # draft 2 reached once, rejected
-    position = controller.position_acceptance()[0]
-    assert position[0] == pytest.approx(0.851, abs=0.001) and position[1] == pytest.approx(0.638, abs=0.001)
-    assert controller.choose([True], 100) == 2
+    expected = [
+        (POSITION_SHRINK * pooled + passed) / (POSITION_SHRINK + reached)
+        for passed, reached in [(1, 2), (1, 1), (1, 1)]
+    ]
+    assert controller.position_acceptance()[0] == pytest.approx(expected + [pooled])
 
 
 def test_bursty_acceptance_drafts_longer_than_a_single_rate_would() -> None:
@@ -145,7 +129,7 @@ def test_bursty_acceptance_drafts_longer_than_a_single_rate_would() -> None:
         controller.observe(6, [0 if n % 2 else 6], [True], 6 * 0.02, 0.10 + 6 * 0.005)
     controller.observe(2, [0], [True], 2 * 0.02, 0.11)  # a second length, so the verify slope is known
     position = controller.position_acceptance()[0]
-    assert position[0] < 0.6 and position[1:6].min() > 0.85
+    assert position[0] < 0.6 and position[1:6].min() > 0.9
     p = controller.acceptance()[0]
     time = controller.round_time()
     single_rate = int(np.argmax([(1 - p ** (g + 1)) / (1 - p) / time[g] for g in range(MAX + 1)]))
