@@ -374,7 +374,8 @@ def test_int4_quantized_pruned_draft(checkpoints: Checkpoints, tmp_path: Path) -
     )
     _, stderr = both.communicate(timeout=300)
     assert both.returncode == 0, stderr[-3000:]
-    assert finish_build(alone).returncode == 0
+    alone_run = finish_build(alone)
+    assert alone_run.returncode == 0, alone_run.stderr[-3000:]
     manifest = read_manifest(tmp_path / "both")
     assert (manifest.target.quantization, manifest.draft.quantization) == ("none", "int4-block32")
     assert manifest.draft_kind == "model"
