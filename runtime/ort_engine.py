@@ -5,6 +5,9 @@ present output, so GroupQueryAttention writes only the new tokens in place. Trun
 per-row lengths that become ``seqlens_k``. ONNX Runtime's CPU GroupQueryAttention takes several new
 tokens on top of a cache for one row at a time, so a multi-row verify pass runs either one batched pass
 per new token or one pass per row (over views of the same buffers), whichever is fewer passes.
+
+The caches are bound once per batch (one IOBinding kept with the buffers); a step binds only its four small
+inputs and a fresh logits array, so the Python work around a run stays small beside the run itself.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class OrtEngine:
         self.device = torch.device("cpu")
         self._cache_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_")]
         self._caches: dict[str, np.ndarray] = {}
-        self._values: dict[str, ort.OrtValue] = {}  # the caches wrapped once for binding (no copy)
+        self._binding: ort.IOBinding | None = None  # the caches bound as past inputs and present outputs
         self._lengths = np.zeros(0, dtype=np.int64)
 
     @property
@@ -110,7 +113,7 @@ class OrtEngine:
         self._allocate(batch)
         real = lengths.numpy().astype(np.int64)
         # An empty past: total length == new tokens, so GroupQueryAttention treats this as a first prompt.
-        logits = self._run(token_ids.numpy(), (real - 1)[:, None], real - 1, width, self._values)
+        logits = self._run(token_ids.numpy(), (real - 1)[:, None], real - 1, width, self._binding)
         self._lengths = real.copy()
         return torch.from_numpy(logits[:, 0])
 
@@ -140,14 +143,14 @@ class OrtEngine:
         ids = token_ids.cpu().numpy().astype(np.int64)
         batch, new = ids.shape
         if batch == 1 or new == 1:
-            logits = self._step(ids, self._lengths, self._values)
+            logits = self._step(ids, self._lengths, self._binding)
         elif new <= batch:  # one batched pass per new token: exact (causal), and reads the weights `new` times
             logits = np.concatenate(
-                [self._step(ids[:, i : i + 1], self._lengths + i, self._values) for i in range(new)], 1
+                [self._step(ids[:, i : i + 1], self._lengths + i, self._binding) for i in range(new)], 1
             )
         else:  # one pass per row, over views of its cache rows
             logits = np.concatenate(
-                [self._step(ids[b : b + 1], self._lengths[b : b + 1], self._row_values(b)) for b in range(batch)]
+                [self._step(ids[b : b + 1], self._lengths[b : b + 1], self._row_binding(b)) for b in range(batch)]
             )
         self._lengths = self._lengths + new
         return torch.from_numpy(logits)
@@ -156,7 +159,7 @@ class OrtEngine:
         self._lengths = check_truncate(torch.from_numpy(self._lengths), lengths).numpy()
 
     def close(self) -> None:
-        self._caches, self._values = {}, {}
+        self._caches, self._binding = {}, None
         self._lengths = np.zeros(0, dtype=np.int64)
 
     def _allocate(self, batch: int) -> None:
@@ -164,30 +167,41 @@ class OrtEngine:
         if not self._caches or next(iter(self._caches.values())).shape[0] != batch:
             shape = (batch, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
             self._caches = {name: np.zeros(shape, _NUMPY_DTYPES[self.spec.dtype]) for name in self._cache_names}
-            self._values = {name: ort.OrtValue.ortvalue_from_numpy(buffer) for name, buffer in self._caches.items()}
+            self._binding = self._bind_caches({n: ort.OrtValue.ortvalue_from_numpy(c) for n, c in self._caches.items()})
 
-    def _step(self, ids: np.ndarray, cached: np.ndarray, caches: dict[str, ort.OrtValue]) -> np.ndarray:
+    def _bind_caches(self, caches: dict[str, ort.OrtValue]) -> ort.IOBinding:
+        """A binding with every cache as both its past input and its present output: the same memory,
+        written in place by the graph, never copied (``_caches`` keeps the memory alive)."""
+        binding = self.session.io_binding()
+        for name, value in caches.items():
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
+        return binding
+
+    def _step(self, ids: np.ndarray, cached: np.ndarray, binding: ort.IOBinding) -> np.ndarray:
         """Logits of every new token in ``ids`` [B, T] placed after ``cached`` [B] tokens."""
         batch, new = ids.shape
         positions = np.broadcast_to(np.arange(new, dtype=np.int64), (batch, new))
-        return self._run(ids, positions, cached + new - 1, int(cached.max()) + new, caches)
+        return self._run(ids, positions, cached + new - 1, int(cached.max()) + new, binding)
 
-    def _row_values(self, row: int) -> dict[str, ort.OrtValue]:
-        """Row ``row``'s slice of every cache, wrapped without copying."""
-        return {name: ort.OrtValue.ortvalue_from_numpy(c[row : row + 1]) for name, c in self._caches.items()}
+    def _row_binding(self, row: int) -> ort.IOBinding:
+        """Caches bound for row ``row`` alone: its slice of every buffer, wrapped without copying."""
+        views = {name: ort.OrtValue.ortvalue_from_numpy(c[row : row + 1]) for name, c in self._caches.items()}
+        return self._bind_caches(views)
 
     def _run(
-        self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray, total: int, caches: dict[str, ort.OrtValue]
+        self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray, total: int, binding: ort.IOBinding
     ) -> np.ndarray:
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids))
-        binding.bind_cpu_input("logits_index", np.ascontiguousarray(positions))
-        binding.bind_cpu_input("seqlens_k", seqlens.astype(np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(total, dtype=np.int32))
-        for name, value in caches.items():
-            # The same memory is the past input and the present output: written in place, never copied.
-            binding.bind_ortvalue_input(name, value)
-            binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
-        binding.bind_output("logits")
+        """One run over ``binding``'s caches; the logits land in a fresh array (callers may keep them)."""
+        inputs = {
+            "input_ids": np.ascontiguousarray(ids),
+            "logits_index": np.ascontiguousarray(positions),
+            "seqlens_k": seqlens.astype(np.int32),
+            "total_sequence_length": np.array(total, dtype=np.int32),
+        }
+        for name, array in inputs.items():  # bound by address: the arrays live until the run returns
+            binding.bind_cpu_input(name, array)
+        logits = np.empty((*positions.shape, self.vocab_size), dtype=np.float32)
+        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[-1].numpy()
+        return logits

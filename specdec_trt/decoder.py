@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from runtime.engine import ContextOverflowError, Engine
 from specdec_trt.drafting import Draft, Drafter
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
-from specdec_trt.rejection import rejection_sample
+from specdec_trt.rejection import greedy_verify, rejection_sample
 from specdec_trt.sampling import BatchSampler, SamplingParams
 from specdec_trt.schedule import DraftLengthController
 from specdec_trt.stats import GenerationStats
@@ -299,7 +299,7 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         prompts, lengths = _right_pad([r.sequence for r in requests])
         logits = self.target.prefill(prompts, lengths)
-        first = sampler.sample(sampler.probs(logits.unsqueeze(1)).squeeze(1)).tolist()
+        first = sampler.draw(logits)[0].tolist()
         prefill_s = time.perf_counter() - start
         for request, token in zip(requests, first):
             request.stats.prefill_s = prefill_s
@@ -327,8 +327,12 @@ class SpeculativeDecoder:
             tock = time.perf_counter()
             self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
             last = torch.tensor([s[-1:] for s in sequences], device=self.target.device)
-            target_probs = sampler.probs(self.target.forward(torch.cat([last, draft.token_ids.to(last.device)], 1)))
-            output, num_accepted = rejection_sample(draft.token_ids, draft.probs, target_probs, sampler.generators)
+            target_logits = self.target.forward(torch.cat([last, draft.token_ids.to(last.device)], 1))
+            if sampler.all_greedy:
+                output, num_accepted = greedy_verify(draft.token_ids, target_logits)
+            else:
+                target_probs = sampler.probs(target_logits)
+                output, num_accepted = rejection_sample(draft.token_ids, draft.probs, target_probs, sampler.generators)
             output, num_accepted = output.tolist(), num_accepted.tolist()  # the round's one host sync
             done = time.perf_counter()
             draft_s, verify_s = draft_s + tock - tick, verify_s + done - tock

@@ -99,10 +99,10 @@ class ModelDrafter:
         logits = self._catch_up(sequences)
         tokens, dists, confidences = [], [], []
         for i in range(num_tokens):
-            probs = sampler.probs(logits.unsqueeze(1)).squeeze(1)
-            token = sampler.sample(probs)
+            token, probs = sampler.draw(logits)
             tokens.append(token)
-            dists.append(probs)
+            if probs is not None:  # None when every row is greedy: q is then one-hot on the draft
+                dists.append(probs)
             if confidence_threshold is not None:
                 confidences.append(logits.float().softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
                 if confidence_threshold > 0 and bool((confidences[-1] < confidence_threshold).all()):  # host sync
@@ -116,7 +116,7 @@ class ModelDrafter:
         )
         self._cached = [len(s) for s in sequences]
         self._fed = token_ids[:, :-1]  # the last draft is in no cache
-        probs = None if sampler.all_greedy or not dists else torch.stack(dists, 1)
+        probs = torch.stack(dists, 1) if dists else None
         return Draft(token_ids, probs, torch.stack(confidences, 1) if confidences else None)
 
     def _catch_up(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:

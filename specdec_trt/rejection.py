@@ -4,6 +4,9 @@ Draft token x at position i is accepted with probability min(1, p(x) / q(x)). Th
 is replaced by a sample from norm(max(0, p - q)); when every draft is accepted the target's distribution
 after the last draft gives a bonus token. The output is distributed exactly as the target's.
 Everything is tensor code over the whole batch: no Python loop over rows, positions or the vocabulary.
+A batch of greedy requests goes through ``greedy_verify``: with one-hot target distributions and
+deterministic drafts the rule above accepts a draft exactly when it is the target's argmax and replaces the
+first other one by the argmax, which needs neither the distributions nor random numbers.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from specdec_trt.sampling import sample_from, uniform
+from specdec_trt.sampling import argmax, sample_from, uniform
 
 Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
@@ -44,6 +47,17 @@ def rejection_sample(
     output = torch.where(positions < num_accepted.unsqueeze(1), drafts, -1)
     output.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return output, num_accepted
+
+
+def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample`` for greedy requests, from the target's logits [B, g+1, V]: the drafts [B, g] that
+    match the target's argmax, up to the first that does not, then the argmax there (the correction) or
+    after the last draft (the bonus). Returns output_ids [B, g+1] (-1 padded) and num_accepted [B]."""
+    target_ids = argmax(target_logits).to(draft_token_ids.device)
+    gamma = draft_token_ids.shape[1]
+    num_accepted = (draft_token_ids == target_ids[:, :gamma]).cumprod(-1).sum(-1)
+    positions = torch.arange(gamma + 1, device=target_ids.device)
+    return torch.where(positions <= num_accepted.unsqueeze(1), target_ids, -1), num_accepted
 
 
 def recovery_distribution(

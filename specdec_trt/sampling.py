@@ -3,7 +3,8 @@
 ``BatchSampler`` holds per-row parameters as tensors, so one call warps a whole batch with no Python loop
 over rows or the vocabulary. The warping order is Hugging Face's: temperature, top-k, top-p, min-p.
 Greedy rows (temperature 0) become one-hot distributions on the argmax, which lets the rejection sampler
-treat them as ordinary rows.
+treat them as ordinary rows; a batch of greedy rows only skips building them (``BatchSampler.draw``,
+``rejection.greedy_verify``).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class SamplingParams:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def argmax(scores: torch.Tensor) -> torch.Tensor:
+    """Index of the maximum over the last dimension (the first one on ties, as torch's). On the CPU it runs
+    NumPy's vectorised kernel: 3 us over a 49,152-token vocabulary, against 87 us for torch's (one thread)."""
+    if scores.device.type == "cpu":
+        return torch.from_numpy(scores.detach().numpy().argmax(-1))
+    return scores.argmax(-1)
 
 
 def uniform(generators: Sequence[torch.Generator | None], num: int, device: torch.device) -> torch.Tensor:
@@ -129,12 +138,20 @@ class BatchSampler:
     def sample(self, probs: torch.Tensor) -> torch.Tensor:
         """One token per row from distributions [B, V], drawn with each row's generator."""
         if self.all_greedy:
-            return probs.argmax(-1)
+            return argmax(probs)
         return sample_from(probs, uniform(self.generators, 1, self.device)[:, 0])
+
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row from logits [B, V], and the warped distributions [B, V] it was drawn from; when
+        every row is greedy, the argmax and None (the one-hot distributions are never needed)."""
+        if self.all_greedy:
+            return argmax(logits), None
+        probs = self.probs(logits.unsqueeze(1)).squeeze(1)
+        return self.sample(probs), probs
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
 
 
 def _top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

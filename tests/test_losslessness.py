@@ -135,18 +135,15 @@ class UnwarpedQDrafter(ModelDrafter):
 
 
 class _ReportsUnwarped:
-    """A sampler whose ``probs`` are the unwarped softmax, while ``sample`` draws from the warped ones."""
+    """A sampler whose ``draw`` samples from the warped distribution but returns the unwarped softmax as the
+    distribution it drew from."""
 
     def __init__(self, sampler: BatchSampler) -> None:
         self.sampler, self.all_greedy = sampler, sampler.all_greedy
-        self.warped: torch.Tensor | None = None
 
-    def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        self.warped = self.sampler.probs(logits)
-        return logits.softmax(-1)
-
-    def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        return self.sampler.sample(self.warped.reshape(probs.shape))
+    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        token, _ = self.sampler.draw(logits)
+        return token, logits.softmax(-1)
 
 
 def no_residual(num_accepted, draft_token_ids, draft_probs, target_probs) -> torch.Tensor:

@@ -8,7 +8,7 @@ import torch
 from scipy import stats
 
 from specdec_trt import rejection
-from specdec_trt.rejection import recovery_distribution, rejection_sample
+from specdec_trt.rejection import greedy_verify, recovery_distribution, rejection_sample
 from specdec_trt.sampling import sample_from
 
 VOCAB = 8
@@ -86,6 +86,28 @@ def test_greedy_matching_drafts_are_all_accepted_with_argmax_bonus(draft_kind: s
         output, num_accepted = rejection_sample(drafts, draft_probs, target, torch.Generator().manual_seed(seed))
         assert torch.equal(num_accepted, torch.full((batch,), gamma))
         assert torch.equal(output, argmax)
+
+
+@pytest.mark.parametrize("gamma", [0, 1, 4])
+def test_greedy_verify_equals_rejection_sampling_of_one_hot_distributions(gamma: int) -> None:
+    """The all-greedy shortcut gives what the general sampler gives on the one-hot distributions greedy rows
+    become, row for row: drafts that match the target's argmax for a random number of positions, then not."""
+    batch = 200
+    generator = torch.Generator().manual_seed(30 + gamma)
+    logits = torch.randn(batch, gamma + 1, VOCAB, generator=generator)
+    argmax = logits.argmax(-1)
+    drafts = argmax[:, :gamma].clone()
+    first_miss = torch.randint(gamma + 1, (batch,), generator=generator)  # gamma: every draft matches
+    for row, miss in enumerate(first_miss.tolist()):
+        if miss < gamma:
+            drafts[row, miss] = (argmax[row, miss] + 1 + torch.randint(VOCAB - 1, (), generator=generator)) % VOCAB
+            drafts[row, miss + 1 :] = torch.randint(VOCAB, (gamma - miss - 1,), generator=generator)
+    output, num_accepted = greedy_verify(drafts, logits)
+    expected_output, expected_accepted = rejection_sample(drafts, None, one_hot(argmax), torch.Generator())
+    assert torch.equal(num_accepted, first_miss)
+    assert torch.equal(num_accepted, expected_accepted)
+    assert torch.equal(output, expected_output)
+    assert_output_contract(output, num_accepted, drafts)
 
 
 @pytest.mark.parametrize("draft_kind", ["none", "soft"])

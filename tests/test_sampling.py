@@ -12,7 +12,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec_trt.sampling import BatchSampler, SamplingParams, sample_from, uniform
+from specdec_trt.sampling import BatchSampler, SamplingParams, argmax, sample_from, uniform
 
 VOCAB = 50
 LARGEST_U = 1.0 - 2.0**-24  # the largest float32 below 1: the top of torch.rand's range
@@ -334,6 +334,27 @@ def test_all_greedy_sample_is_argmax() -> None:
     probs = flat_probs(5, seed=9)
     sampler = BatchSampler([SamplingParams(seed=3)] * 5)
     assert torch.equal(sampler.sample(probs), probs.argmax(-1))
+
+
+def test_argmax_is_torchs_including_the_first_of_ties() -> None:
+    scores = random_logits(4, 3, seed=10)
+    scores[0, 0, 2] = scores[0, 0, 5] = scores[0, 0].max() + 1.0  # a tie: the first index wins, as in torch
+    scores[1, 1] = float("-inf")
+    scores[1, 1, 3] = 0.0
+    assert argmax(scores)[0, 0] == 2
+    assert argmax(scores).dtype == torch.int64
+    assert torch.equal(argmax(scores), scores.argmax(-1))
+    assert torch.equal(argmax(scores[:, 1]), scores[:, 1].argmax(-1))  # a strided view
+
+
+def test_draw_is_the_argmax_without_distributions_for_greedy_batches_else_a_sample_from_probs() -> None:
+    logits = random_logits(3, 1, seed=11)[:, 0]
+    token, probs = BatchSampler([SamplingParams()] * 3).draw(logits)
+    assert probs is None and torch.equal(token, logits.argmax(-1))
+    sampled = BatchSampler([SamplingParams(temperature=0.7, seed=s) for s in range(3)])
+    token, probs = sampled.draw(logits)
+    assert torch.equal(probs, sampled.probs(logits.unsqueeze(1)).squeeze(1))
+    assert (probs.gather(1, token.unsqueeze(1)) > 0).all()
 
 
 def test_batch_sample_matches_distribution() -> None:
