@@ -167,13 +167,14 @@ class OrtEngine:
         if not self._caches or next(iter(self._caches.values())).shape[0] != batch:
             shape = (batch, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
             self._caches = {name: np.zeros(shape, _NUMPY_DTYPES[self.spec.dtype]) for name in self._cache_names}
-            self._binding = self._bind_caches({n: ort.OrtValue.ortvalue_from_numpy(c) for n, c in self._caches.items()})
+            self._binding = self._bind_caches(self._caches)
 
-    def _bind_caches(self, caches: dict[str, ort.OrtValue]) -> ort.IOBinding:
-        """A binding with every cache as both its past input and its present output: the same memory,
-        written in place by the graph, never copied (``_caches`` keeps the memory alive)."""
+    def _bind_caches(self, caches: dict[str, np.ndarray]) -> ort.IOBinding:
+        """A binding with every cache (a buffer of ``_caches`` or a view of one: ``_caches`` owns the memory)
+        as both its past input and its present output: written in place by the graph, never copied."""
         binding = self.session.io_binding()
-        for name, value in caches.items():
+        for name, array in caches.items():
+            value = ort.OrtValue.ortvalue_from_numpy(array)
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
         return binding
@@ -186,8 +187,7 @@ class OrtEngine:
 
     def _row_binding(self, row: int) -> ort.IOBinding:
         """Caches bound for row ``row`` alone: its slice of every buffer, wrapped without copying."""
-        views = {name: ort.OrtValue.ortvalue_from_numpy(c[row : row + 1]) for name, c in self._caches.items()}
-        return self._bind_caches(views)
+        return self._bind_caches({name: cache[row : row + 1] for name, cache in self._caches.items()})
 
     def _run(
         self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray, total: int, binding: ort.IOBinding
