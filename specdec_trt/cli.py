@@ -83,8 +83,8 @@ engines_option = click.option(
     type=DraftLengthType(),
     help="Tokens drafted per round (gamma); 0 is plain decoding on the same engine; 'auto' chooses gamma "
     "every round from the acceptance and costs measured so far (up to what the engines were built for, or "
-    "8 with --target) and stops a round early when the draft is unconfident (while its unconfident drafts "
-    "are mostly rejected). "
+    "8 with --target); a model draft then stops where its calibrated confidence says one more token no "
+    "longer pays. "
     "[default: 5, at most what the engines were built for]",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128)

@@ -6,10 +6,11 @@ plain rounds), which ``ModelDrafter`` completes when it next drafts. A round fee
 ``[last committed token, d_1 .. d_k]`` in one verify pass, keeps the accepted prefix plus one target
 token, and rolls both caches back by moving their length pointers.
 
-``num_draft_tokens="auto"`` (``AUTO``) chooses the draft length of every round from the acceptance and
-the costs measured so far (``specdec_trt.schedule``), and lets the draft stop a round early when it is
-unconfident (``draft_confidence_threshold``) for as long as its unconfident tokens are mostly rejected. A
-fixed integer drafts exactly that many tokens per round.
+``num_draft_tokens="auto"`` (``AUTO``) decides every round from the acceptance and the costs measured so
+far (``specdec_trt.schedule``) whether to draft, and a model draft then drafts until one more token is
+expected to add less than it costs, judged from its own confidence as calibrated on earlier rounds (or,
+with ``draft_confidence_threshold``, until its confidence falls below that). A fixed integer drafts exactly
+that many tokens per round.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from runtime.engine import ContextOverflowError, Engine
-from specdec_trt.drafting import Draft, Drafter
+from specdec_trt.drafting import Draft, Drafter, StopRule, confidence_below
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import greedy_verify, rejection_sample
 from specdec_trt.sampling import BatchSampler, SamplingParams
@@ -39,9 +40,6 @@ AUTO = "auto"
 # also what the context check reserves, so it stays modest: past 8 drafts, even at acceptance 0.9, a
 # draft token adds under 0.05 expected tokens per round.
 AUTO_MAX_DRAFT_TOKENS = 8
-# "auto" stops a round after a draft token its own (unwarped) softmax gives less than this, in every row
-# (transformers' assistant_confidence_threshold starts at 0.4).
-DEFAULT_DRAFT_CONFIDENCE_THRESHOLD = 0.3
 
 
 def check_num_draft_tokens(value: object) -> DraftLength:
@@ -121,9 +119,9 @@ class SpeculativeDecoder:
     """Lossless speculative decoding over a target engine and a drafter.
 
     ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline;
-    ``"auto"`` picks the draft length each round (see the module docstring), stopping a round early when
-    the draft's own probability of its token falls below ``draft_confidence_threshold`` (0: never), as
-    long as such unconfident tokens are mostly rejected.
+    ``"auto"`` picks the draft length each round (see the module docstring). ``draft_confidence_threshold``
+    replaces auto's cost-aware stop with a fixed cut-off (as transformers' ``assistant_confidence_threshold``):
+    the round ends after a token the draft gave less than this probability in every row (0: never).
     A decoder runs one generation (or batch) at a time: its engines hold that batch's KV caches.
     """
 
@@ -134,10 +132,10 @@ class SpeculativeDecoder:
         tokenizer: PreTrainedTokenizerBase | None = None,
         eos_token_ids: Iterable[int] = (),
         num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
-        draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
+        draft_confidence_threshold: float | None = None,
     ) -> None:
         check_num_draft_tokens(num_draft_tokens)
-        if not 0 <= draft_confidence_threshold <= 1:
+        if draft_confidence_threshold is not None and not 0 <= draft_confidence_threshold <= 1:
             raise ValueError(f"draft_confidence_threshold must be in [0, 1], got {draft_confidence_threshold!r}")
         self.target = target
         self.drafter = drafter
@@ -161,7 +159,7 @@ class SpeculativeDecoder:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_context: int | None = None,
-        draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
+        draft_confidence_threshold: float | None = None,
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
         embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None."""
@@ -179,7 +177,7 @@ class SpeculativeDecoder:
         num_draft_tokens: DraftLength | None = None,
         provider: str = "cpu",
         threads: int | None = None,
-        draft_confidence_threshold: float = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD,
+        draft_confidence_threshold: float | None = None,
     ) -> SpeculativeDecoder:
         """Open an engine directory built by ``specdec-build`` on ONNX Runtime (its manifest and checksums
         are checked first). ``draft``: "engine" (the directory's draft), "ngram" or None.
@@ -318,12 +316,7 @@ class SpeculativeDecoder:
             num_drafts = schedule.choose(active, usable) if schedule else min(gamma, usable)
             sequences = [r.sequence for r in requests]
             tick = time.perf_counter()
-            # Fixed gamma: exactly gamma, no confidence. Auto: the confidence of every draft, and the stop on it
-            # while unconfident drafts are mostly rejected.
-            threshold = None
-            if schedule is not None and self.draft_confidence_threshold > 0:
-                threshold = self.draft_confidence_threshold if schedule.stops_early() else 0.0
-            draft = self._draft(sequences, num_drafts, sampler, threshold)
+            draft = self._draft(sequences, num_drafts, sampler, self._stop_rule(schedule, active))
             tock = time.perf_counter()
             self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
             last = torch.tensor([s[-1:] for s in sequences], device=self.target.device)
@@ -337,10 +330,8 @@ class SpeculativeDecoder:
             done = time.perf_counter()
             draft_s, verify_s = draft_s + tock - tick, verify_s + done - tock
             if schedule:
-                unconfident = None
-                if draft.confidence is not None:  # read after the round's sync: no stall
-                    unconfident = (draft.confidence < self.draft_confidence_threshold).cpu().numpy()
-                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock, unconfident)
+                confidence = None if draft.confidence is None else draft.confidence.float().cpu().numpy()
+                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock, confidence)
             for request, row, accepted in zip(requests, output, num_accepted):
                 if not request.finished:
                     request.stats.record_round(draft.num_tokens, accepted)
@@ -356,12 +347,21 @@ class SpeculativeDecoder:
                 total_s,
             )
 
+    def _stop_rule(self, schedule: DraftLengthController | None, active: list[bool]) -> StopRule | None:
+        """Fixed gamma: none (exactly gamma drafts, no confidence). Auto: the controller's cost-aware stop, or
+        the fixed cut-off ``draft_confidence_threshold``."""
+        if schedule is None:
+            return None
+        if self.draft_confidence_threshold is None:
+            return schedule.stop_rule(active)
+        return confidence_below(self.draft_confidence_threshold)
+
     def _draft(
-        self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler, threshold: float | None
+        self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler, stop_rule: StopRule | None
     ) -> Draft:
         if num_drafts <= 0:
             return Draft(torch.zeros(len(sequences), 0, dtype=torch.int64, device=self.target.device), None)
-        return self.drafter.propose(sequences, num_drafts, sampler, threshold)
+        return self.drafter.propose(sequences, num_drafts, sampler, stop_rule)
 
 
 def _right_pad(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,17 +4,17 @@ A drafter sees the committed sequences (prompt + accepted output, whose last tok
 cache) and returns the drafted ids with the distributions they were sampled from (None when the drafts
 are deterministic, as for prompt lookup or an all-greedy batch: q is then one-hot on the drafted token).
 
-A model drafter may stop early inside a round when its own confidence falls below a threshold, and then
-reports the confidence of every token it drafted (so the caller can learn whether that confidence predicts
-rejections). This keeps decoding lossless: how many tokens are drafted depends only on the draft's own
-samples and logits (and on the committed prefix), never on the target, so every drafted token is still a
-sample from the q it reports, and the rejection sampler's guarantee holds for any draft length chosen that
-way.
+Given a stop rule, a model drafter reports the confidence of every token it drafted (its own probability of
+the token, so the caller can learn how well that confidence predicts acceptance) and asks the rule after
+each token whether to end the round there. This keeps decoding lossless: how many tokens are drafted depends
+only on the draft's own samples and logits (and on the committed prefix and earlier rounds), never on the
+target's verdict on this round, so every drafted token is still a sample from the q it reports, and the
+rejection sampler's guarantee holds for any draft length chosen that way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,11 +25,19 @@ from numpy.lib.stride_tricks import sliding_window_view
 from runtime.engine import Engine
 from specdec_trt.sampling import BatchSampler
 
+StopRule = Callable[[torch.Tensor], bool]
+"""Asked after each drafted token with the draft's probability of it per row [B]: True ends the round there."""
+
+
+def confidence_below(threshold: float) -> StopRule:
+    """A fixed cut-off: end the round after a token whose confidence is below ``threshold`` in every row."""
+    return lambda confidence: bool((confidence < threshold).all())
+
 
 @dataclass(frozen=True)
 class Draft:
     """Drafted tokens [B, k] and the distributions they were drawn from [B, k, V] (None: one-hot); with a
-    confidence threshold, the draft's own probability of each drafted token [B, k] (else None)."""
+    stop rule, the draft's own probability of each drafted token [B, k] (else None)."""
 
     token_ids: torch.Tensor
     probs: torch.Tensor | None
@@ -53,12 +61,11 @@ class Drafter(Protocol):
         sequences: Sequence[Sequence[int]],
         num_tokens: int,
         sampler: BatchSampler,
-        confidence_threshold: float | None = None,
+        stop_rule: StopRule | None = None,
     ) -> Draft:
-        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence. Given a
-        ``confidence_threshold``, a drafter with its own distribution reports each token's probability
-        under the draft (softmax of its raw logits) and stops after a token below the threshold in every
-        row, keeping that token; 0 never stops early, None skips the confidence altogether."""
+        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence. Given a ``stop_rule``, a
+        drafter with its own distribution reports each token's probability under the draft (softmax of its
+        raw logits) and ends the round after a token the rule stops at, keeping that token."""
 
 
 class ModelDrafter:
@@ -94,7 +101,7 @@ class ModelDrafter:
         sequences: Sequence[Sequence[int]],
         num_tokens: int,
         sampler: BatchSampler,
-        confidence_threshold: float | None = None,
+        stop_rule: StopRule | None = None,
     ) -> Draft:
         logits = self._catch_up(sequences)
         tokens, dists, confidences = [], [], []
@@ -103,10 +110,10 @@ class ModelDrafter:
             tokens.append(token)
             if probs is not None:  # None when every row is greedy: q is then one-hot on the draft
                 dists.append(probs)
-            if confidence_threshold is not None:
+            if stop_rule is not None:
                 confidences.append(logits.float().softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
-                if confidence_threshold > 0 and bool((confidences[-1] < confidence_threshold).all()):  # host sync
-                    break  # an unconfident token is kept: its logits are paid for, and it may still be accepted
+                if stop_rule(confidences[-1]):  # a host sync
+                    break  # the token is kept: its logits are paid for, and it may still be accepted
             if i + 1 == num_tokens:
                 break
             logits = self.engine.forward(token.unsqueeze(1))[:, 0]
@@ -167,9 +174,9 @@ class PromptLookupDrafter:
         sequences: Sequence[Sequence[int]],
         num_tokens: int,
         sampler: BatchSampler,
-        confidence_threshold: float | None = None,
+        stop_rule: StopRule | None = None,
     ) -> Draft:
-        """Prompt lookup has no distribution of its own: ``confidence_threshold`` is ignored."""
+        """Prompt lookup has no distribution of its own: ``stop_rule`` is ignored."""
         proposals = [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
         width = max(len(p) for p in proposals)
         # Rows with shorter matches are padded; any deterministic draft is lossless, padding only costs

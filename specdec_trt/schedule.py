@@ -22,11 +22,18 @@ of rejected drafts does not outlive the text it came from. The chosen gamma maxi
 0 .. min(max_draft, tokens still needed). Gamma 0 (a plain target step) is allowed, but at least every
 ``probe_every``-th round drafts, so acceptance keeps being measured.
 
-The early stop inside a round (after a token the draft itself was unconfident about) is calibrated the same
-way: the controller counts how often such unconfident tokens were accepted, among those the verifier
-reached, and allows the stop only while they are rejected more often than not. A self-draft that is nearly
-the target (int4) is accepted even where it hesitates, so it keeps drafting; a small distilled draft's
-hesitations are mostly rejections, so it stops. The controller is deterministic given its observations.
+A draft that reports its own confidence (a model draft: its probability of each token it drafted) drafts up
+to the limit whenever drafting pays, and the round ends once one more draft token is expected to add fewer
+tokens than it costs. The draft's confidence is calibrated online: judged draft tokens are binned by
+confidence, and each bin's acceptance is estimated the same decayed way, starting from the bin's own
+confidence (a draft accepted as often as it is confident) and moving to what the verifier measures.
+After each drafted token, S_r, the chance that row r's drafts so far are all accepted, is multiplied by the
+calibrated acceptance of that token; the next token would add sum_r S_r p_r expected tokens and cost
+(c + b) seconds, worth rate * (c + b) tokens at the best rate the model predicts, and the round stops when
+it would add fewer. Acceptance is bursty in the text (hard tokens come in clusters, easy stretches run
+long), and the draft's confidence sees it token by token, where a length chosen before the round cannot.
+Prompt lookup reports no confidence and drafts the chosen gamma. The controller is deterministic given its
+observations.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 FIRST_DRAFT_LENGTH = 4  # the first round, before anything was measured
 PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a weak prior: acceptance 0.5, worth two drafts
@@ -41,8 +49,9 @@ POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
 TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
 PROBE_EVERY = 4  # at most PROBE_EVERY - 1 plain rounds in a row
-PRIOR_UNCONFIDENT_ACCEPTED, PRIOR_UNCONFIDENT_TRIALS = 0.5, 2.0  # a weak prior: unconfident drafts mostly fail
-EARLY_STOP_BELOW = 0.5  # stop early while unconfident drafts are accepted less often than this
+CONFIDENCE_BINS = np.array([0.3, 0.5, 0.7, 0.9, 0.97])  # edges of the draft-confidence bins
+CONFIDENCE_PRIOR = np.convolve(np.r_[0.0, CONFIDENCE_BINS, 1.0], [0.5, 0.5], "valid")  # each bin's middle
+CALIBRATION_SHRINK = 2.0  # the prior's weight in a bin, in trials
 
 
 class DecayedLine:
@@ -91,7 +100,9 @@ class DraftLengthController:
         self.max_draft, self.first, self.probe_every, self.decay = max_draft, first, probe_every, decay
         self.reached = np.zeros((batch_size, max_draft))  # decayed evidence per row and draft position
         self.passed = np.zeros((batch_size, max_draft))
-        self.unconfident_accepted = self.unconfident_trials = 0.0  # decayed, over all rows
+        self.judged = np.zeros(len(CONFIDENCE_BINS) + 1)  # decayed, over all rows: judged drafts per bin
+        self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
+        self.reports_confidence = False  # whether the draft has reported its confidence
         self.drafting = DecayedLine(time_decay, through_origin=True)  # seconds against tokens drafted
         self.verifying = DecayedLine(time_decay, through_origin=False)  # seconds against drafts verified
         self.rounds = 0
@@ -106,15 +117,9 @@ class DraftLengthController:
         pooled = self.acceptance()[:, None]
         return (POSITION_SHRINK * pooled + self.passed) / (POSITION_SHRINK + self.reached)
 
-    def unconfident_acceptance(self) -> float:
-        """Estimated acceptance of a draft token the draft was unconfident about."""
-        return (PRIOR_UNCONFIDENT_ACCEPTED + self.unconfident_accepted) / (
-            PRIOR_UNCONFIDENT_TRIALS + self.unconfident_trials
-        )
-
-    def stops_early(self) -> bool:
-        """Whether the next round should stop after an unconfident draft token."""
-        return self.unconfident_acceptance() < EARLY_STOP_BELOW
+    def calibrated_acceptance(self) -> np.ndarray:
+        """Acceptance of a draft token per confidence bin (``CONFIDENCE_BINS``), shrunk to the bin's middle."""
+        return (CALIBRATION_SHRINK * CONFIDENCE_PRIOR + self.judged_accepted) / (CALIBRATION_SHRINK + self.judged)
 
     def draft_cost(self) -> tuple[float, float]:
         """(d, c): drafting seconds per drafting round and per drafted token."""
@@ -136,9 +141,14 @@ class DraftLengthController:
         g = np.arange(self.max_draft + 1)
         return (g > 0) * d + g * (c + b) + a
 
+    def rates(self, active: Sequence[bool]) -> np.ndarray:
+        """tokens(g) / time(g) for g = 0 .. max_draft: the expected tokens per second."""
+        return self.expected_tokens(active) / np.maximum(self.round_time(), 1e-12)
+
     def choose(self, active: Sequence[bool], remaining: int) -> int:
-        """The draft length of the next round; ``remaining``: drafts that can still be used (tokens still
-        needed by the longest active row, less the target's own token)."""
+        """The draft length of the next round, at most: a draft that reports its confidence is asked for up
+        to the limit whenever drafting pays, and ``stop_rule`` ends the round. ``remaining``: drafts that
+        can still be used (tokens still needed by the longest active row, less the target's own token)."""
         limit = min(self.max_draft, remaining)
         if limit <= 0:
             return 0
@@ -146,10 +156,19 @@ class DraftLengthController:
             gamma = min(self.first, limit)
         else:
             low = 1 if self.plain_streak >= self.probe_every - 1 else 0
-            rate = self.expected_tokens(active) / np.maximum(self.round_time(), 1e-12)
-            gamma = low + int(np.argmax(rate[low : limit + 1]))
+            gamma = low + int(np.argmax(self.rates(active)[low : limit + 1]))
+            if gamma and self.reports_confidence:
+                gamma = limit
         self.plain_streak = self.plain_streak + 1 if gamma == 0 else 0
         return gamma
+
+    def stop_rule(self, active: Sequence[bool]) -> CostAwareStop:
+        """The rule that ends the next round once another draft token is worth less than it costs (never
+        before a round was timed)."""
+        _, c = self.draft_cost()
+        _, b = self.verify_cost()
+        threshold = float(self.rates(active).max()) * (c + b) if self.rounds else 0.0
+        return CostAwareStop(self.calibrated_acceptance(), self.acceptance(), np.asarray(active, bool), threshold)
 
     def observe(
         self,
@@ -158,11 +177,11 @@ class DraftLengthController:
         active: Sequence[bool],
         draft_s: float,
         verify_s: float,
-        unconfident: np.ndarray | None = None,
+        confidence: np.ndarray | None = None,
     ) -> None:
         """Record a round: it drafted ``num_drafted`` tokens for every row (maybe fewer than chosen: an early
         stop), row r accepted ``num_accepted[r]``; only ``active`` rows count. Times in seconds.
-        ``unconfident`` [B, num_drafted]: which drafted tokens the draft was unconfident about, if known."""
+        ``confidence`` [B, num_drafted]: the draft's probability of each token it drafted, if known."""
         self.rounds += 1
         rows = np.asarray(active, dtype=bool)
         accepted = np.asarray(num_accepted, dtype=float)[rows]
@@ -173,9 +192,32 @@ class DraftLengthController:
         self.passed[rows] = fade * self.passed[rows] + (position < accepted[:, None])
         if num_drafted:
             self.drafting.add(num_drafted, draft_s)
-        if unconfident is not None and num_drafted:
-            judged = np.asarray(unconfident, dtype=bool)[rows] & reached[:, :num_drafted]
+        self.judged *= fade
+        self.judged_accepted *= fade
+        if confidence is not None and num_drafted:
+            self.reports_confidence = True
+            bins = np.searchsorted(CONFIDENCE_BINS, np.asarray(confidence)[rows], side="right")
+            judged = reached[:, :num_drafted]
             passed = judged & (position[:, :num_drafted] < accepted[:, None])
-            self.unconfident_trials = fade * self.unconfident_trials + judged.sum()
-            self.unconfident_accepted = fade * self.unconfident_accepted + passed.sum()
+            np.add.at(self.judged, bins[judged], 1.0)
+            np.add.at(self.judged_accepted, bins[passed], 1.0)
         self.verifying.add(num_drafted, verify_s)
+
+
+class CostAwareStop:
+    """Ends a drafting round once one more draft token is expected to add fewer tokens than it costs.
+
+    Called after each drafted token with the draft's probability of it per row [B]: S_r (the chance that
+    row r's drafts so far are all accepted) is multiplied by the calibrated acceptance of that confidence;
+    the round stops when sum over active rows of S_r p_r (the expected tokens of one more draft) is below
+    ``threshold`` (rate * (c + b): what that draft costs, in tokens at the predicted rate)."""
+
+    def __init__(self, acceptance_by_bin: np.ndarray, pooled: np.ndarray, active: np.ndarray, threshold: float):
+        self.acceptance_by_bin, self.threshold = acceptance_by_bin, threshold
+        self.gain = np.where(active, pooled, 0.0)  # S_r p_r, with S_r = 1 before the first draft
+
+    def __call__(self, confidence: torch.Tensor) -> bool:
+        """Whether the round ends after the token just drafted (one host sync)."""
+        bins = np.searchsorted(CONFIDENCE_BINS, confidence.float().cpu().numpy(), side="right")
+        self.gain = self.gain * self.acceptance_by_bin[bins]
+        return float(self.gain.sum()) < self.threshold

@@ -14,8 +14,8 @@ import specdec_trt.decoder
 from build_engines.checkpoint import load_checkpoint
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.decoder import AUTO, DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
-from specdec_trt.drafting import ModelDrafter
+from specdec_trt.decoder import AUTO
+from specdec_trt.drafting import ModelDrafter, StopRule, confidence_below
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
 MAX_DRAFT = 8
@@ -70,12 +70,13 @@ def test_speculative_greedy_equals_target_only(family: str, kind: str, make_chec
 
 
 def assert_auto_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[str], params: SamplingParams) -> int:
-    """With num_draft_tokens="auto", at the default confidence threshold and at 0.9 (which cuts most rounds
-    short), batched and alone, the output is the target-only greedy output. Returns the drafted tokens."""
+    """With num_draft_tokens="auto", with its cost-aware stop and with a fixed cut-off at confidence 0.9 (which
+    cuts most rounds short), batched and alone, the output is the target-only greedy output. Returns the
+    drafted tokens."""
     baseline = decoder.generate_batch(prompts, params, num_draft_tokens=0)
     drafted = 0
     try:
-        for threshold in (DEFAULT_DRAFT_CONFIDENCE_THRESHOLD, 0.9):
+        for threshold in (None, 0.9):
             decoder.draft_confidence_threshold = threshold
             batched = decoder.generate_batch(prompts, params, num_draft_tokens=AUTO)
             assert [o.token_ids for o in batched] == [o.token_ids for o in baseline], f"threshold {threshold}"
@@ -84,7 +85,7 @@ def assert_auto_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[str],
             assert single.token_ids == baseline[-1].token_ids, f"threshold {threshold} (alone)"
             drafted += sum(o.stats.drafted_tokens for o in batched)
     finally:
-        decoder.draft_confidence_threshold = DEFAULT_DRAFT_CONFIDENCE_THRESHOLD
+        decoder.draft_confidence_threshold = None
     return drafted
 
 
@@ -113,8 +114,8 @@ class ScriptedSchedule:
     def observe(self, *args) -> None:
         pass
 
-    def stops_early(self) -> bool:
-        return True
+    def stop_rule(self, active: Sequence[bool]) -> StopRule:
+        return confidence_below(0.3)  # cuts rounds after tokens the draft is unconfident about
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ import specdec_trt.decoder
 import specdec_trt.rejection
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
-from specdec_trt.drafting import Draft, ModelDrafter, PromptLookupDrafter
+from specdec_trt.drafting import Draft, ModelDrafter, PromptLookupDrafter, StopRule
 from specdec_trt.loading import load_engines
 from specdec_trt.sampling import BatchSampler
 
@@ -130,8 +130,8 @@ class UnwarpedQDrafter(ModelDrafter):
     """Negative control (trap 2): samples drafts from the warped distribution but reports the unwarped
     softmax as q, so the sampler divides by a distribution that was never sampled from."""
 
-    def propose(self, sequences, num_tokens: int, sampler: BatchSampler, confidence_threshold: float = 0.0) -> Draft:
-        return super().propose(sequences, num_tokens, _ReportsUnwarped(sampler), confidence_threshold)
+    def propose(self, sequences, num_tokens: int, sampler: BatchSampler, stop_rule: StopRule | None = None) -> Draft:
+        return super().propose(sequences, num_tokens, _ReportsUnwarped(sampler), stop_rule)
 
 
 class _ReportsUnwarped:
@@ -236,7 +236,7 @@ def stopping_threshold(target: torch.nn.Module, draft: torch.nn.Module, params: 
     return sum(best) / 2
 
 
-def auto_decoder(checkpoints, threshold: float, unwarped_q: bool = False) -> SpeculativeDecoder:
+def auto_decoder(checkpoints, threshold: float | None, unwarped_q: bool = False) -> SpeculativeDecoder:
     """A decoder with num_draft_tokens="auto"; with ``unwarped_q`` its drafter is the broken UnwarpedQDrafter."""
     _, engine, drafter = load_engines(*checkpoints, max_context=AUTO_CONTEXT)
     drafter = UnwarpedQDrafter(drafter.engine) if unwarped_q else drafter
@@ -248,8 +248,8 @@ def spy_on_rounds(decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch) 
     rounds = []
     propose = decoder.drafter.propose
 
-    def spy(sequences, num_tokens, sampler, confidence_threshold=0.0):
-        draft = propose(sequences, num_tokens, sampler, confidence_threshold)
+    def spy(sequences, num_tokens, sampler, stop_rule=None):
+        draft = propose(sequences, num_tokens, sampler, stop_rule)
         rounds.append((num_tokens, draft.num_tokens))
         return draft
 
@@ -281,3 +281,19 @@ def test_auto_with_unwarped_draft_probs_is_caught(checkpoints, reference_models,
     counts, _ = pipeline_counts(broken, params, AUTO)
     assert rounds[0] == (4, 2)
     assert chi_square_p(counts, exact_joint(reference_models[0], params)) < REJECT_P
+
+
+def test_auto_with_its_cost_aware_stop_is_lossless(checkpoints, reference_models, monkeypatch, steady_clock) -> None:
+    """Auto's own stop (no fixed cut-off): rounds after the first ask for every draft the context allows and
+    end where the calibrated confidence says another draft no longer pays, a length that depends on the
+    draft's samples. Still the target's exact distribution; the broken residual is still rejected."""
+    params = WARPINGS["combined"]
+    decoder = auto_decoder(checkpoints, threshold=None)
+    rounds = spy_on_rounds(decoder, monkeypatch)
+    probs = exact_joint(reference_models[0], params)
+    counts, _ = pipeline_counts(decoder, params, AUTO)
+    assert any(made < asked for asked, made in rounds[1:]), f"no round was cut short: {rounds}"
+    assert chi_square_p(counts, probs) > PASS_P
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    broken_counts, _ = pipeline_counts(decoder, params, AUTO)
+    assert chi_square_p(broken_counts, probs) < REJECT_P

@@ -1,5 +1,5 @@
-"""The "auto" draft length: the controller fed synthetic observations, and the draft's early stop on its own
-confidence, on real tiny models."""
+"""The "auto" draft length: the controller fed synthetic observations, its calibrated stop rule, and the
+draft's stop on its own confidence, on real tiny models."""
 
 from __future__ import annotations
 
@@ -11,9 +11,17 @@ from build_engines.checkpoint import load_checkpoint
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
-from specdec_trt.drafting import ModelDrafter, PromptLookupDrafter
+from specdec_trt.drafting import ModelDrafter, PromptLookupDrafter, confidence_below
 from specdec_trt.sampling import BatchSampler
-from specdec_trt.schedule import FIRST_DRAFT_LENGTH, POSITION_SHRINK, PROBE_EVERY, DraftLengthController
+from specdec_trt.schedule import (
+    CALIBRATION_SHRINK,
+    CONFIDENCE_BINS,
+    CONFIDENCE_PRIOR,
+    FIRST_DRAFT_LENGTH,
+    POSITION_SHRINK,
+    PROBE_EVERY,
+    DraftLengthController,
+)
 
 MAX = 8
 
@@ -186,23 +194,67 @@ def test_choice_maximises_expected_tokens_per_second() -> None:
     assert controller.choose([True, False], 100) == int(np.argmax([rate([0], g) for g in range(MAX + 1)]))
 
 
-def test_early_stop_is_calibrated_on_whether_unconfident_drafts_are_accepted() -> None:
-    """Only unconfident drafts the verifier judged count (those after a rejection were never judged): the
-    stop stays on while they are mostly rejected, and goes off once they are mostly accepted."""
+def test_confidence_is_calibrated_per_bin_on_the_drafts_the_verifier_judged() -> None:
+    """Only judged drafts count (those after a rejection were never judged), binned by the draft's
+    confidence; each bin's acceptance is shrunk to the bin's middle with CALIBRATION_SHRINK trials."""
     controller = DraftLengthController(MAX, 2, decay=1.0)
-    assert controller.stops_early()  # the prior: unconfident drafts mostly fail
-    unconfident = np.array([[False, True, True, True], [True, False, False, False]])
-    controller.observe(4, [1, 4], [True, True], 0.04, 0.1, unconfident)
-    # row 0: draft 2 (unconfident) judged and rejected, drafts 3-4 never judged; row 1: draft 1 accepted
-    assert (controller.unconfident_trials, controller.unconfident_accepted) == (2, 1)
-    assert controller.unconfident_acceptance() == pytest.approx((0.5 + 1) / (2 + 2))
-    for _ in range(3):
-        controller.observe(4, [4, 4], [True, True], 0.04, 0.1, unconfident)
-    assert not controller.stops_early()
-    rejected = DraftLengthController(MAX, 1, decay=1.0)
-    for _ in range(5):
-        rejected.observe(2, [0], [True], 0.02, 0.1, np.array([[True, True]]))
-    assert rejected.stops_early() and rejected.unconfident_acceptance() < 0.1
+    confidence = np.array([[0.99, 0.2, 0.8, 0.8], [0.6, 0.95, 0.99, 0.1]])
+    controller.observe(4, [1, 4], [True, True], 0.04, 0.1, confidence)
+    # row 0: 0.99 accepted, 0.2 rejected, the rest never judged; row 1: all four judged and accepted
+    bins = np.searchsorted(CONFIDENCE_BINS, [0.99, 0.2, 0.6, 0.95, 0.99, 0.1], side="right")
+    judged, accepted = np.zeros(len(CONFIDENCE_BINS) + 1), np.zeros(len(CONFIDENCE_BINS) + 1)
+    np.add.at(judged, bins, 1)
+    np.add.at(accepted, bins[[0, 2, 3, 4, 5]], 1)
+    assert controller.judged == pytest.approx(judged) and controller.judged_accepted == pytest.approx(accepted)
+    expected = (CALIBRATION_SHRINK * CONFIDENCE_PRIOR + accepted) / (CALIBRATION_SHRINK + judged)
+    assert controller.calibrated_acceptance() == pytest.approx(expected)
+
+
+def test_a_draft_reporting_confidence_is_asked_for_the_limit_and_prompt_lookup_for_gamma() -> None:
+    """Once the draft reports its confidence, a drafting round asks for every draft it may use (the stop
+    rule ends it); a draft without confidence gets the chosen length; plain rounds stay plain."""
+    with_confidence, without = DraftLengthController(MAX, 1), DraftLengthController(MAX, 1)
+    for _ in range(6):
+        with_confidence.observe(2, [1], [True], 0.02, 0.1 + 0.002 * 2, np.array([[0.9, 0.5]]))
+        without.observe(2, [1], [True], 0.02, 0.1 + 0.002 * 2)
+    without.observe(1, [1], [True], 0.01, 0.1 + 0.002)
+    with_confidence.observe(1, [1], [True], 0.01, 0.1 + 0.002, np.array([[0.9]]))
+    chosen = int(np.argmax(without.rates([True])))
+    assert 1 <= chosen < MAX
+    assert without.choose([True], 100) == chosen
+    assert with_confidence.choose([True], 100) == MAX and with_confidence.choose([True], 5) == 5
+    hopeless = DraftLengthController(MAX, 1)
+    feed(hopeless, 12, accept=0.0, draft_step_s=0.08)
+    hopeless.observe(1, [0], [True], 0.08, 0.1, np.array([[0.9]]))
+    assert 0 in [hopeless.choose([True], 100) for _ in range(PROBE_EVERY)]
+
+
+def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
+    """The rule's threshold is the predicted best rate times the per-token cost c + b; after each draft
+    token every row's chance of a fully accepted draft is multiplied by its bin's calibrated acceptance, and
+    the round ends when the expected tokens of one more draft, sum_r S_r p_r, fall below the threshold."""
+    controller = DraftLengthController(MAX, 2, decay=1.0)
+    for gamma in (2, 4, 2, 4):
+        confidence = np.tile([0.99, 0.99, 0.1, 0.1], (2, 1))[:, :gamma]
+        times = 0.003 + 0.01 * gamma, 0.1 + 0.002 * gamma
+        controller.observe(gamma, [min(gamma, 2)] * 2, [True, True], *times, confidence)
+    rule = controller.stop_rule([True, True])
+    (_, c), (_, b) = controller.draft_cost(), controller.verify_cost()
+    assert rule.threshold == pytest.approx(controller.rates([True, True]).max() * (c + b))
+    calibrated, pooled = controller.calibrated_acceptance(), controller.acceptance()
+    confident, unconfident = calibrated[-1], calibrated[0]
+    assert confident > 0.9 > 0.5 > unconfident  # the 0.99 drafts were always accepted, the 0.1 ones never
+    assert not rule(torch.tensor([0.99, 0.99]))
+    assert rule.gain == pytest.approx(pooled * confident)
+    assert rule(torch.tensor([0.1, 0.1]))  # unconfident in both rows: another draft no longer pays
+    one_row = controller.stop_rule([True, False])  # a finished row adds nothing
+    one_row(torch.tensor([0.99, 0.99]))
+    assert one_row.gain == pytest.approx([pooled[0] * confident, 0.0])
+
+
+def test_no_stop_before_the_first_round_was_timed() -> None:
+    rule = DraftLengthController(MAX, 1).stop_rule([True])
+    assert rule.threshold == 0 and not rule(torch.tensor([0.01]))
 
 
 def test_deterministic_given_its_observations() -> None:
@@ -210,7 +262,7 @@ def test_deterministic_given_its_observations() -> None:
     assert runs[0] == runs[1]
 
 
-# --- early stop on the draft's confidence -------------------------------------------------------------------
+# --- a fixed cut-off on the draft's confidence ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -234,7 +286,7 @@ def propose(drafter: ModelDrafter, prompts: list[list[int]], num_tokens: int, th
     width = int(lengths.max())
     drafter.begin(torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts]), lengths - 1)
     sampler = BatchSampler([params] * len(prompts), torch.device("cpu"))
-    draft = drafter.propose(prompts, num_tokens, sampler, threshold)
+    draft = drafter.propose(prompts, num_tokens, sampler, confidence_below(threshold))
     assert draft.token_ids.shape[0] == len(prompts)
     if draft.probs is not None:
         assert draft.probs.shape[:2] == draft.token_ids.shape
@@ -291,7 +343,7 @@ def test_prompt_lookup_ignores_the_threshold() -> None:
     drafter = PromptLookupDrafter()
     sampler = BatchSampler([SamplingParams()], torch.device("cpu"))
     sequence = [1, 2, 3, 4, 5, 1, 2]
-    assert drafter.propose([sequence], 3, sampler, 1.0).token_ids.tolist() == [[3, 4, 5]]
+    assert drafter.propose([sequence], 3, sampler, confidence_below(1.0)).token_ids.tolist() == [[3, 4, 5]]
 
 
 def test_auto_reserves_the_engine_limit_in_the_context_check(make_checkpoint) -> None:

@@ -96,7 +96,8 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     default="1,2,3,4,6,8",
     callback=_draft_lengths(AUTO),
     help="Draft lengths (gamma) to sweep, comma-separated; 'auto' chooses gamma every round from the "
-    "acceptance and costs measured so far, and stops a round early when the draft is unconfident.",
+    "acceptance and costs measured so far; a model draft stops where its calibrated confidence says one more "
+    "token no longer pays.",
 )
 @click.option(
     "--peer-num-draft-tokens",

@@ -197,9 +197,9 @@ def _auto_section(summary: Sequence[dict]) -> str:
 
 With `num_draft_tokens="auto"` the decoder chooses each round's gamma from the acceptance and the costs it
 has measured so far (maximising expected tokens per second under the cost model, with the acceptance of
-each draft position measured apart), and stops drafting inside a round when the draft's own probability
-of its token falls below its confidence threshold, for as long as such unconfident drafts are mostly
-rejected. The best fixed gamma is picked after the fact, per suite; auto has to find it on line.
+each draft position measured apart); a model draft then drafts until one more token is expected to add
+fewer tokens than it costs, judged from its own confidence as calibrated on the drafts verified so far.
+The best fixed gamma is picked after the fact, per suite; auto has to find it on line.
 
 {table}
 """
