@@ -121,7 +121,8 @@ class SpeculativeDecoder:
     ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline;
     ``"auto"`` picks the draft length each round (see the module docstring). ``draft_confidence_threshold``
     replaces auto's cost-aware stop with a fixed cut-off (as transformers' ``assistant_confidence_threshold``):
-    the round ends after a token the draft gave less than this probability in every row (0: never).
+    drafting rounds run up to the limit and end after a token the draft gave less than this probability in
+    every row (0: never).
     A decoder runs one generation (or batch) at a time: its engines hold that batch's KV caches.
     """
 

@@ -1,4 +1,4 @@
-"""Acceptance-driven draft length ("auto" gamma): each round, the gamma that maximises tokens per second.
+"""Acceptance-driven draft length ("auto" gamma): whether and how far each round drafts, for the most tokens/s.
 
 Cost model of one round of a batch that drafts g tokens:
 
