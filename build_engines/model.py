@@ -296,12 +296,17 @@ class CompactDecoder(nn.Module):
         shape = (c.num_layers, batch_size, c.num_kv_heads, self.max_context, c.head_dim)
         return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
-    def step_inputs(self, starts: torch.Tensor, num_new: int, dtype: torch.dtype) -> StepInputs:
-        """Positions, rotary tables and attention mask for ``num_new`` tokens after ``starts`` [B]."""
+    def step_inputs(
+        self, starts: torch.Tensor, num_new: int, dtype: torch.dtype, attended: int | None = None
+    ) -> StepInputs:
+        """Positions, rotary tables and attention mask for ``num_new`` tokens after ``starts`` [B], attending
+        over the first ``attended`` cache positions (default: as many as the longest row needs, which reads
+        ``starts`` on the host; a larger span masks the extra positions and gives the same logits)."""
         device = self.rope_cos.device
         starts = starts.to(device)
         positions = starts[:, None] + torch.arange(num_new, device=device)
-        attended = int(starts.max()) + num_new
+        if attended is None:
+            attended = int(starts.max()) + num_new
         mask = torch.arange(attended, device=device)[None, None, :] <= positions[:, :, None]
         return StepInputs(
             rows=torch.arange(len(starts), device=device)[:, None],
@@ -319,11 +324,13 @@ class CompactDecoder(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         logits_at: torch.Tensor | None = None,
+        attended: int | None = None,
     ) -> torch.Tensor:
         """Run ``token_ids`` [B, T] placed at ``starts`` [B] + 0..T-1; returns float32 logits [B, T, V],
-        or [B, V] at the per-row index ``logits_at`` [B] when given (prefill needs only the last one)."""
+        or [B, V] at the per-row index ``logits_at`` [B] when given (prefill needs only the last one).
+        ``attended``: a fixed attention span (see ``step_inputs``), so the shapes do not depend on ``starts``."""
         x = self.model.embed_tokens(token_ids.to(self.rope_cos.device))
-        step = self.step_inputs(starts, token_ids.shape[1], x.dtype)
+        step = self.step_inputs(starts, token_ids.shape[1], x.dtype, attended)
         for layer, k_layer, v_layer in zip(self.model.layers, k_cache, v_cache):
             x = layer(x, step, k_layer, v_layer)
         if logits_at is not None:

@@ -1,4 +1,5 @@
-"""PyTorch engine: the compact decoder with a static KV cache, eager on CPU or on a CUDA device."""
+"""PyTorch engine: the compact decoder with a static KV cache, eager on the CPU, replayed from CUDA graphs on a
+CUDA device (``runtime.cuda_graphs``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 
 from build_engines.checkpoint import Checkpoint
 from build_engines.model import CompactDecoder
+from runtime.cuda_graphs import CapturedForward
 from runtime.engine import check_prompt_lengths, check_room, check_truncate
 
 DEFAULT_MAX_CONTEXT = 4096
@@ -13,21 +15,34 @@ DEFAULT_MAX_CONTEXT = 4096
 
 class TorchEngine:
     """Engine protocol over ``CompactDecoder``. The cache is allocated once per batch size and reused;
-    truncation only moves the per-row length pointers."""
+    truncation only moves the per-row length pointers (kept on the host, so no step waits for the device).
 
-    def __init__(self, model: CompactDecoder, device: torch.device | str = "cpu") -> None:
+    ``cuda_graphs`` (default: on for a CUDA device) replays ``forward`` from CUDA graphs captured per shape;
+    ``prefill`` always runs eagerly. False runs every step eagerly, as vLLM's ``enforce_eager``."""
+
+    def __init__(
+        self, model: CompactDecoder, device: torch.device | str = "cpu", cuda_graphs: bool | None = None
+    ) -> None:
         self.device = torch.device(device)
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if self.cuda_graphs and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True needs a CUDA device; this engine is on {self.device}")
         self.model = model.to(self.device).eval()
         self.vocab_size = model.config.vocab_size
         self.max_context = model.max_context
         self.max_draft_len: int | None = None  # any number of new tokens per forward
         self.dtype = next(model.parameters()).dtype
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._captured: CapturedForward | None = None  # the graphs over this cache, with cuda_graphs
         self._lengths = torch.zeros(0, dtype=torch.int64)
 
     @classmethod
     def from_checkpoint(
-        cls, checkpoint: Checkpoint, max_context: int | None = None, device: torch.device | str = "cpu"
+        cls,
+        checkpoint: Checkpoint,
+        max_context: int | None = None,
+        device: torch.device | str = "cpu",
+        cuda_graphs: bool | None = None,
     ) -> TorchEngine:
         """Build an engine from loaded weights; ``max_context`` defaults to what the model supports, at
         most ``DEFAULT_MAX_CONTEXT`` (the KV cache is allocated for all of it up front)."""
@@ -37,11 +52,16 @@ class TorchEngine:
         model = CompactDecoder(checkpoint.config, max_context or min(limit, DEFAULT_MAX_CONTEXT))
         model.load_weights(checkpoint.state_dict)
         dtype = next(iter(checkpoint.state_dict.values())).dtype
-        return cls(model.to(dtype), device)
+        return cls(model.to(dtype), device, cuda_graphs)
 
     @property
     def lengths(self) -> torch.Tensor:
         return self._lengths.clone()
+
+    @property
+    def num_graphs(self) -> int:
+        """CUDA graphs captured for the current batch size (0 when eager)."""
+        return 0 if self._captured is None else self._captured.num_graphs
 
     @torch.inference_mode()
     def prefill(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -50,6 +70,7 @@ class TorchEngine:
         check_prompt_lengths(lengths, batch, width)
         if self._cache is None or self._cache[0].shape[1] != batch:
             self._cache = self.model.new_cache(batch, self.dtype, self.device)
+            self._captured = CapturedForward(self.model, *self._cache) if self.cuda_graphs else None
         logits = self.model(token_ids, torch.zeros(batch, dtype=torch.int64), *self._cache, logits_at=lengths - 1)
         self._lengths = lengths.to(torch.int64).clone()
         return logits
@@ -59,7 +80,10 @@ class TorchEngine:
         if self._cache is None:
             raise RuntimeError("forward() before prefill(): start a batch with prefill first")
         check_room(self._lengths, token_ids.shape[1], self.max_context)
-        logits = self.model(token_ids, self._lengths, *self._cache)
+        if self._captured is not None:
+            logits = self._captured(token_ids, self._lengths)
+        else:
+            logits = self.model(token_ids, self._lengths, *self._cache)
         self._lengths += token_ids.shape[1]
         return logits
 
@@ -67,5 +91,5 @@ class TorchEngine:
         self._lengths = check_truncate(self._lengths, lengths)
 
     def close(self) -> None:
-        self._cache = None
+        self._cache = self._captured = None
         self._lengths = torch.zeros(0, dtype=torch.int64)

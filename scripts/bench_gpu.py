@@ -1,10 +1,12 @@
 """GPU engine figures on random-weight models of SmolLM2-135M's exact shape (no weights travel).
 
 Run from the repository root (``PYTHONPATH=.``); every figure is a median over ``--repeats`` after warm-up,
-with the device synchronised around each timing:
+with the device synchronised around each timing. On CUDA each figure is measured for both modes of our
+PyTorch engine side by side: "eager" (kernels launched one by one from Python) and "graphs" (every step
+replayed from a CUDA graph, the default on a GPU); on a CPU only "eager" exists.
 
-1. our PyTorch engine's per-token decode step (T=1) after 100 and 1,500 cached tokens, and the verify cost
-   ratio forward(T=5) / forward(T=1);
+1. the engine's per-token decode step (T=1) after 100 and 1,500 cached tokens, the memory bandwidth that
+   step achieves (weight bytes / step time), and the verify cost ratio forward(T=5) / forward(T=1);
 2. plain decoding tokens/s through ``SpeculativeDecoder`` (num_draft_tokens=0, ignore_eos) against
    transformers' ``model.generate`` (greedy, min_new_tokens = max_new_tokens) on the same weights
    (new tokens / wall time of the whole call, prefill of the 100-token prompt included, for both);
@@ -79,6 +81,8 @@ QUICK_TARGET_LAYERS = 4
 PROMPT_TOKENS = 100
 CONTEXTS = (100, 1500)
 MAX_CONTEXT = 2048
+EAGER, GRAPHS = "eager", "graphs"
+MODES = (EAGER, GRAPHS)  # our engine's two modes on CUDA; a CPU has only eager
 console = Console(width=None if sys.stdout.isatty() else 140)  # logs: no wrapping at 80 columns
 
 
@@ -148,7 +152,8 @@ def step_ms(engine, timer: Timer, context: int, new_tokens: int, repeats: int, w
 
 def count_host_syncs(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, gamma: int) -> dict:
     """Synchronising CUDA calls (device-to-host reads, pageable host-to-device copies, stream syncs) during
-    one generation, from the warnings of CUDA's sync debug mode; per round of the loop."""
+    one generation, from the warnings of CUDA's sync debug mode, and their ratio to its rounds (the request's
+    own syncs included)."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -249,26 +254,39 @@ def main(
         save("models")
         run = Run(dev, timer, random_prompt(), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         run.repeats, run.step_repeats = repeats, step_repeats
+        modes = MODES if dev.type == "cuda" else MODES[:1]
+        results["modes"] = list(modes)
 
-        plain = SpeculativeDecoder.from_pretrained(target_dir, None, device=dev, max_context=MAX_CONTEXT)
-        results.update(run.target_steps(plain.target))
+        plain = {
+            mode: SpeculativeDecoder.from_pretrained(
+                target_dir, None, device=dev, max_context=MAX_CONTEXT, cuda_graphs=mode == GRAPHS
+            )
+            for mode in modes
+        }
+        results["weight_bytes"] = weight_bytes(plain[modes[0]].target)
+        results["target_steps"] = {mode: run.target_steps(decoder.target) for mode, decoder in plain.items()}
         save("target steps")
         results["plain"] = run.plain_vs_transformers(plain, target_dir)
         save("plain vs transformers")
-        results["draft_cost"] = run.draft_cost(plain.target, draft_dir)
+        results["draft_cost"] = {mode: run.draft_cost(plain[mode].target, draft_dir, mode) for mode in modes}
         save("draft cost")
-        plain.close()
+        for decoder in plain.values():
+            decoder.close()
         del plain
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
-        spec = SpeculativeDecoder.from_pretrained(target_dir, target_dir, device=dev, max_context=MAX_CONTEXT)
-        results["self_draft"] = run.self_draft(spec, gamma)
-        save("self-draft")
-        if dev.type == "cuda":
-            results["host_syncs"] = run.host_syncs(spec, gamma)
-            save("host syncs")
-        spec.close()
+        results["self_draft"], results["host_syncs"] = {}, {}
+        for mode in modes:
+            spec = SpeculativeDecoder.from_pretrained(
+                target_dir, target_dir, device=dev, max_context=MAX_CONTEXT, cuda_graphs=mode == GRAPHS
+            )
+            results["self_draft"][mode] = run.self_draft(spec, gamma)
+            save(f"self-draft ({mode})")
+            if dev.type == "cuda":
+                results["host_syncs"][mode] = run.host_syncs(spec, gamma)
+                save(f"host syncs ({mode})")
+            spec.close()
 
     results["status"] = "complete"
     save()
@@ -279,6 +297,11 @@ def main(
 def random_prompt() -> list[int]:
     generator = torch.Generator().manual_seed(7)
     return torch.randint(3, SMOLLM2_135M["vocab_size"], (PROMPT_TOKENS,), generator=generator).tolist()
+
+
+def weight_bytes(engine: TorchEngine) -> int:
+    """Bytes of the engine's parameters (tied embeddings counted once): what one decode step must read."""
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
 
 
 class Run:
@@ -292,19 +315,21 @@ class Run:
     def step(self, engine, context: int, new_tokens: int = 1) -> float:
         return step_ms(engine, self.timer, context, new_tokens, self.step_repeats, warmup=1)
 
-    def target_steps(self, target) -> dict:
-        """1: the target's step cost at each context, T=1 and T=5."""
+    def target_steps(self, target: TorchEngine) -> dict:
+        """1: the target's step cost at each context, T=1 and T=5, and the bandwidth of the T=1 step."""
         steps = {f"context={c},T={t}": self.step(target, c, t) for c in CONTEXTS for t in (1, 5)}
+        weights = weight_bytes(target)
         return {
-            "target_steps_ms": steps,
+            "steps_ms": steps,
             "decode_ms_per_token": {f"context={c}": steps[f"context={c},T=1"] for c in CONTEXTS},
+            "weight_GB_per_s": {f"context={c}": weights / steps[f"context={c},T=1"] / 1e6 for c in CONTEXTS},
             "verify_cost_ratio": {
                 f"context={c}": steps[f"context={c},T=5"] / steps[f"context={c},T=1"] for c in CONTEXTS
             },
         }
 
-    def plain_vs_transformers(self, plain: SpeculativeDecoder, target_dir: Path) -> dict:
-        """2: plain decoding through our decoder vs transformers' generate, alternating, same weights."""
+    def plain_vs_transformers(self, plain: dict[str, SpeculativeDecoder], target_dir: Path) -> dict:
+        """2: plain decoding through our decoder (each mode) vs transformers' generate, alternating, same weights."""
         hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).to(self.device).eval()
         hf_input = torch.tensor([self.prompt], device=self.device)
 
@@ -320,33 +345,32 @@ class Run:
                 )
             return output[0, len(self.prompt) :].tolist()
 
-        ours_s, hf_s = [], []
-        for i in range(1 + self.repeats):  # the first round is the warm-up
-            seconds, output = self.timer(lambda: plain.generate(self.prompt, self.greedy, num_draft_tokens=0))
-            hf_seconds, hf_ids = self.timer(hf_generate)
+        seconds: dict[str, list[float]] = {mode: [] for mode in plain} | {"transformers": []}
+        ids: dict[str, list[int]] = {}
+        for i in range(1 + self.repeats):  # the first round is the warm-up (and captures the graphs)
+            for mode, decoder in plain.items():
+                elapsed, output = self.timer(lambda d=decoder: d.generate(self.prompt, self.greedy, num_draft_tokens=0))
+                ids[mode] = output.token_ids
+                if i:
+                    seconds[mode].append(elapsed)
+            elapsed, ids["transformers"] = self.timer(hf_generate)
             if i:
-                ours_s.append(seconds)
-                hf_s.append(hf_seconds)
-        ours_ids = output.token_ids
-        ours_tps = self.new_tokens / statistics.median(ours_s)
-        hf_tps = self.new_tokens / statistics.median(hf_s)
-        first_difference = next((i for i, (a, b) in enumerate(zip(ours_ids, hf_ids)) if a != b), len(ours_ids))
+                seconds["transformers"].append(elapsed)
+        tps = {name: self.new_tokens / statistics.median(s) for name, s in seconds.items()}
         return {
-            "ours_tokens_per_s": ours_tps,
-            "transformers_generate_tokens_per_s": hf_tps,
-            "ours_vs_transformers": ours_tps / hf_tps,
-            "ours_ms_per_token": 1e3 / ours_tps,
-            "transformers_ms_per_token": 1e3 / hf_tps,
-            "same_tokens": ours_ids == hf_ids,
-            "same_prefix_tokens": first_difference,
+            "tokens_per_s": tps,
+            "ms_per_token": {name: 1e3 / t for name, t in tps.items()},
+            "vs_transformers": {mode: tps[mode] / tps["transformers"] for mode in plain},
+            "same_prefix_tokens_as_transformers": {mode: same_prefix(ids[mode], ids["transformers"]) for mode in plain},
         }
 
-    def draft_cost(self, target, draft_dir: Path) -> dict:
+    def draft_cost(self, target: TorchEngine, draft_dir: Path, mode: str) -> dict:
         """3: c of the 2-layer draft with its pruned head, and with the full head, against the target."""
         checkpoint = load_checkpoint(draft_dir)
         full = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, draft_vocab=None))
-        pruned = TorchEngine.from_checkpoint(checkpoint, MAX_CONTEXT, self.device)
-        unpruned = TorchEngine.from_checkpoint(full, MAX_CONTEXT, self.device)
+        graphs = mode == GRAPHS
+        pruned = TorchEngine.from_checkpoint(checkpoint, MAX_CONTEXT, self.device, graphs)
+        unpruned = TorchEngine.from_checkpoint(full, MAX_CONTEXT, self.device, graphs)
         rows = {}
         for context in CONTEXTS:
             target_ms, pruned_ms, unpruned_ms = (self.step(e, context) for e in (target, pruned, unpruned))
@@ -387,80 +411,104 @@ class Run:
             "cost_ratio": cost_ratio,
             "ideal_speedup": ideal,
             "efficiency": spec_tps / plain_tps / ideal,
-            "draft_ms_per_round": statistics.median(s.draft_ms_per_round for s in stats),
-            "verify_ms_per_round": statistics.median(s.verify_ms_per_round for s in stats),
             "same_tokens_as_plain": out.token_ids == plain.token_ids,
         }
 
     def host_syncs(self, spec: SpeculativeDecoder, gamma: int) -> dict:
-        """5: host synchronisations per round, plain and speculative (a diagnostic: errors are recorded)."""
-        short = SamplingParams(max_new_tokens=32, ignore_eos=True)
+        """5: host synchronisations per round, plain and speculative, greedy and sampled (a diagnostic: errors
+        are recorded). A request's own syncs (around its prefill) cancel out: two lengths are counted, and their
+        extra rounds divide their extra syncs."""
+        lengths = (16, 48)
         try:
-            return {
-                "plain": count_host_syncs(spec, self.prompt, short, 0),
-                f"self-draft k={gamma}": count_host_syncs(spec, self.prompt, short, gamma),
-            }
+            rows = {}
+            cases = (
+                ("plain", 0, 0.0),
+                (f"self-draft k={gamma}", gamma, 0.0),
+                (f"self-draft k={gamma} t=0.8", gamma, 0.8),
+            )
+            for name, k, temperature in cases:
+                params = [
+                    SamplingParams(max_new_tokens=n, temperature=temperature, seed=0, ignore_eos=True) for n in lengths
+                ]
+                for p in params:  # capture every shape first: a capture synchronises
+                    spec.generate(self.prompt, p, num_draft_tokens=k)
+                counts = [count_host_syncs(spec, self.prompt, p, k) for p in params]
+                extra_rounds = counts[1]["rounds"] - counts[0]["rounds"]
+                rows[name] = {f"max_new_tokens={n}": count for n, count in zip(lengths, counts)} | {
+                    "syncs_per_round": (counts[1]["syncs"] - counts[0]["syncs"]) / extra_rounds
+                }
+            return rows
         except Exception as err:  # noqa: BLE001 - keep the other figures
             return {"error": f"{type(err).__name__}: {err}"}
 
 
+def same_prefix(ours: list[int], theirs: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+
+
 def print_tables(results: dict) -> None:
-    env, settings = results["environment"], results["settings"]
+    env, settings, modes = results["environment"], results["settings"], results["modes"]
     title = f"{env['gpu'] or env['device']} | torch {env['torch']} (CUDA {env['cuda']})"
     title += f" | transformers {env['transformers']}"
     console.print(f"\n[bold]{title}[/bold]")
     console.print(
-        f"random SmolLM2-135M shape, {settings['target_layers']} target layers, float32, "
-        f"{settings['prompt_tokens']} prompt tokens, {settings['max_new_tokens']} new tokens, greedy"
+        f"random SmolLM2-135M shape, {settings['target_layers']} target layers, float32 "
+        f"({results['weight_bytes'] / 1e6:.0f} MB of weights), {settings['prompt_tokens']} prompt tokens, "
+        f"{settings['max_new_tokens']} new tokens, greedy"
     )
 
     steps = Table(title="Engine steps (ms, medians)")
-    for column in ("context", "target T=1", "target T=5", "T=5 / T=1", "pruned draft T=1", "c pruned", "c unpruned"):
-        steps.add_column(column, justify="right")
-    for context in CONTEXTS:
-        key = f"context={context}"
-        s, d = results["target_steps_ms"], results["draft_cost"][key]
-        steps.add_row(
-            str(context),
-            f"{s[f'{key},T=1']:.2f}",
-            f"{s[f'{key},T=5']:.2f}",
-            f"{results['verify_cost_ratio'][key]:.2f}",
-            f"{d['pruned_draft_ms']:.2f}",
-            f"{d['c_pruned']:.3f}",
-            f"{d['c_unpruned']:.3f}",
-        )
+    columns = ("mode", "context", "target T=1", "GB/s", "target T=5", "T=5 / T=1", "pruned draft T=1", "c pruned")
+    for column in (*columns, "c unpruned"):
+        steps.add_column(column, justify="left" if column == "mode" else "right")
+    for mode in modes:
+        t = results["target_steps"][mode]
+        for context in CONTEXTS:
+            key = f"context={context}"
+            d = results["draft_cost"][mode][key]
+            steps.add_row(
+                mode,
+                str(context),
+                f"{t['steps_ms'][f'{key},T=1']:.2f}",
+                f"{t['weight_GB_per_s'][key]:.0f}",
+                f"{t['steps_ms'][f'{key},T=5']:.2f}",
+                f"{t['verify_cost_ratio'][key]:.2f}",
+                f"{d['pruned_draft_ms']:.2f}",
+                f"{d['c_pruned']:.3f}",
+                f"{d['c_unpruned']:.3f}",
+            )
     console.print(steps)
 
-    p, s = results["plain"], results["self_draft"]
+    p = results["plain"]
     gen = Table(title="Generation (tokens/s, medians)")
     for column in ("method", "tok/s", "vs plain", "notes"):
         gen.add_column(column, justify="left" if column in ("method", "notes") else "right")
-    gen.add_row("ours, plain", f"{p['ours_tokens_per_s']:.1f}", "1.00x", f"{p['ours_ms_per_token']:.2f} ms/token")
-    gen.add_row(
-        "transformers generate",
-        f"{p['transformers_generate_tokens_per_s']:.1f}",
-        f"{p['transformers_generate_tokens_per_s'] / p['ours_tokens_per_s']:.2f}x",
-        f"ours / transformers {p['ours_vs_transformers']:.2f}x; same tokens: {p['same_tokens']} "
-        f"(first {p['same_prefix_tokens']} equal)",
-    )
-    gen.add_row("ours, plain (self-draft decoder)", f"{s['plain_tokens_per_s']:.1f}", "1.00x", "")
-    gen.add_row(
-        f"ours, self-draft k={s['gamma']}",
-        f"{s['speculative_tokens_per_s']:.1f}",
-        f"{s['speedup']:.2f}x",
-        f"acceptance {s['acceptance_rate']:.2f}, tau {s['tau']:.2f}, c {s['cost_ratio']:.2f}, "
-        f"ideal {s['ideal_speedup']:.2f}x, efficiency {s['efficiency']:.2f}; same tokens: {s['same_tokens_as_plain']}",
-    )
+    hf = p["tokens_per_s"]["transformers"]
+    gen.add_row("transformers generate", f"{hf:.1f}", "", f"{p['ms_per_token']['transformers']:.2f} ms/token")
+    for mode in modes:
+        gen.add_row(
+            f"ours, plain, {mode}",
+            f"{p['tokens_per_s'][mode]:.1f}",
+            "1.00x",
+            f"{p['ms_per_token'][mode]:.2f} ms/token; {p['vs_transformers'][mode]:.2f}x transformers; first "
+            f"{p['same_prefix_tokens_as_transformers'][mode]} tokens as transformers'",
+        )
+        s = results["self_draft"][mode]
+        gen.add_row(
+            f"ours, self-draft k={s['gamma']}, {mode}",
+            f"{s['speculative_tokens_per_s']:.1f}",
+            f"{s['speedup']:.2f}x",
+            f"acceptance {s['acceptance_rate']:.2f}, tau {s['tau']:.2f}, c {s['cost_ratio']:.2f}, ideal "
+            f"{s['ideal_speedup']:.2f}x, efficiency {s['efficiency']:.2f}; same tokens: {s['same_tokens_as_plain']}",
+        )
     console.print(gen)
-    syncs = results.get("host_syncs")
-    if syncs:
+    for mode, syncs in results.get("host_syncs", {}).items():
         parts = [
-            f"{name}: {v['syncs_per_round']:.1f} per round ({v['syncs']} in {v['rounds']} rounds)"
-            if isinstance(v, dict)
-            else f"{name}: {v}"
+            f"{name}: {v['syncs_per_round']:.2f} per round" if isinstance(v, dict) else f"{name}: {v}"
             for name, v in syncs.items()
         ]
-        console.print("host syncs: " + "; ".join(parts))
+        console.print(f"host syncs ({mode}): " + "; ".join(parts))
 
 
 if __name__ == "__main__":

@@ -19,8 +19,12 @@ from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, Gen
 from specdec_trt.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_TORCH_ONLY = ("device", "dtype", "max_context")
+_TORCH_ONLY = ("device", "dtype", "max_context", "enforce_eager")
 _ONNX_ONLY = ("provider", "threads")
+ENFORCE_EAGER_HELP = (
+    "With --target on a CUDA device: launch every kernel from Python instead of replaying CUDA graphs "
+    "(slower; for debugging, as vLLM's --enforce-eager)."
+)
 
 
 class DraftLengthType(click.ParamType):
@@ -117,6 +121,7 @@ engines_option = click.option(
     help="KV cache positions with --target; prompt + new tokens + draft tokens must fit. "
     "Default: the model's limit, at most 4096.",
 )
+@click.option("--enforce-eager", is_flag=True, default=None, help=ENFORCE_EAGER_HELP)
 def run(
     prompt: str | None,
     engines: Path | None,
@@ -137,6 +142,7 @@ def run(
     device: str | None,
     dtype: str | None,
     max_context: int | None,
+    enforce_eager: bool | None,
 ) -> None:
     """Generate from PROMPT with lossless speculative decoding, streaming text to stdout and a stats table
     to stderr. PROMPT '-' (or none, with piped input) reads standard input.
@@ -149,7 +155,7 @@ def run(
       specdec-run --target ./llama-1b --draft ./llama-160m "Once upon a time"
     """
     options = {"provider": provider, "threads": threads, "device": device, "dtype": dtype, "max_context": max_context}
-    check_backend_options(engines, target, options)
+    check_backend_options(engines, target, options | {"enforce_eager": enforce_eager})
     err = Console(stderr=True)
     text = _read_prompt(prompt)
     try:
@@ -173,6 +179,7 @@ def run(
                     device=device or "cpu",
                     dtype=DTYPES[dtype or "float32"],
                     max_context=max_context,
+                    cuda_graphs=False if enforce_eager else None,
                 )
             else:
                 decoder = SpeculativeDecoder.from_engines(
@@ -287,7 +294,8 @@ def check_backend_options(engines: Path | None, target: Path | None, options: di
     given = [f"--{name.replace('_', '-')}" for name in wrong if options.get(name) is not None]
     if given:
         backend = "the PyTorch engine (--target)" if target is not None else "ONNX Runtime engines"
-        raise click.UsageError(f"{', '.join(given)} do not apply to {backend}")
+        verb = "does" if len(given) == 1 else "do"
+        raise click.UsageError(f"{', '.join(given)} {verb} not apply to {backend}")
 
 
 def default_engines(err: Console) -> Path:

@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from runtime.engine import ContextOverflowError, Engine
+from runtime.transfer import to_device
 from specdec_trt.drafting import Draft, Drafter, StopRule, confidence_below
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import greedy_verify, rejection_sample
@@ -161,11 +162,13 @@ class SpeculativeDecoder:
         dtype: torch.dtype = torch.float32,
         max_context: int | None = None,
         draft_confidence_threshold: float | None = None,
+        cuda_graphs: bool | None = None,
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
-        embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None."""
+        embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None. On a CUDA
+        device the engines replay their steps from CUDA graphs unless ``cuda_graphs=False``."""
         check_num_draft_tokens(num_draft_tokens)  # before loading anything
-        checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context)
+        checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context, cuda_graphs)
         eos = checkpoint.config.eos_token_ids
         return cls(engine, drafter, checkpoint.tokenizer, eos, num_draft_tokens, draft_confidence_threshold)
 
@@ -320,14 +323,15 @@ class SpeculativeDecoder:
             draft = self._draft(sequences, num_drafts, sampler, self._stop_rule(schedule, active))
             tock = time.perf_counter()
             self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
-            last = torch.tensor([s[-1:] for s in sequences], device=self.target.device)
+            last = to_device(torch.tensor([s[-1:] for s in sequences]), self.target.device)
             target_logits = self.target.forward(torch.cat([last, draft.token_ids.to(last.device)], 1))
             if sampler.all_greedy:
                 output, num_accepted = greedy_verify(draft.token_ids, target_logits)
             else:
                 target_probs = sampler.probs(target_logits)
                 output, num_accepted = rejection_sample(draft.token_ids, draft.probs, target_probs, sampler.generators)
-            output, num_accepted = output.tolist(), num_accepted.tolist()  # the round's one host sync
+            rows = torch.cat([output, num_accepted[:, None]], 1).tolist()  # the round's one host sync
+            output, num_accepted = [row[:-1] for row in rows], [row[-1] for row in rows]
             done = time.perf_counter()
             draft_s, verify_s = draft_s + tock - tick, verify_s + done - tock
             if schedule:

@@ -23,6 +23,7 @@ import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
 from runtime.engine import Engine
+from runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
 
 StopRule = Callable[[torch.Tensor], bool]
@@ -84,7 +85,7 @@ class ModelDrafter:
         self.prompt_cache_from = prompt_cache_from
         self.max_context: int | None = engine.max_context
         self._cached: list[int] = []  # per row: committed tokens in the cache at the end of the last round
-        self._fed = torch.zeros(0, 0, dtype=torch.int64)  # [B, k - 1]: the drafts written after them
+        self._fed = HostCopy(torch.zeros(0, 0, dtype=torch.int64))  # [B, k - 1]: the drafts written after them
 
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prefill the draft, or, with ``prompt_cache_from`` (a self-draft sharing the target's cache
@@ -94,7 +95,7 @@ class ModelDrafter:
         else:
             self.engine.prefill(prompt_ids, lengths)
         self._cached = lengths.tolist()
-        self._fed = torch.zeros(len(lengths), 0, dtype=torch.int64)
+        self._fed = HostCopy(torch.zeros(len(lengths), 0, dtype=torch.int64))
 
     def propose(
         self,
@@ -122,7 +123,7 @@ class ModelDrafter:
             torch.stack(tokens, 1) if tokens else torch.zeros(len(sequences), 0, dtype=torch.int64, device=device)
         )
         self._cached = [len(s) for s in sequences]
-        self._fed = token_ids[:, :-1]  # the last draft is in no cache
+        self._fed = HostCopy(token_ids[:, :-1])  # the last draft is in no cache
         probs = torch.stack(dists, 1) if dists else None
         return Draft(token_ids, probs, torch.stack(confidences, 1) if confidences else None)
 
@@ -130,7 +131,7 @@ class ModelDrafter:
         """Feed each row the committed tokens its cache lacks; the logits after its last token [B, V]."""
         lengths = [len(s) for s in sequences]
         cached = self.engine.lengths.tolist()
-        fed = self._fed.tolist()  # the decoder has synchronised since these were drafted: no stall
+        fed = self._fed.get().tolist()  # copied during the last round, which the decoder has synchronised since
         valid = [
             min(_matching_prefix(s, base, drafts), length - 1, in_cache)
             for s, base, drafts, length, in_cache in zip(sequences, self._cached, fed, lengths, cached)
@@ -142,7 +143,7 @@ class ModelDrafter:
         self.engine.truncate(torch.tensor(starts))
         logits = self.engine.forward(torch.tensor(block))
         self.engine.truncate(torch.tensor(lengths))
-        last = torch.tensor([length - 1 - start for length, start in zip(lengths, starts)], device=logits.device)
+        last = to_device(torch.tensor([length - 1 - start for length, start in zip(lengths, starts)]), logits.device)
         return logits[torch.arange(len(sequences), device=logits.device), last]
 
 

@@ -440,7 +440,8 @@ def test_limit_takes_the_first_prompts_and_zero_takes_all(
         (("-k", "4"), "exceeds the 3 drafts the engines were built for"),
         (("-k", "2", "-n", "100"), "prompt copy of suite tiny needs"),
         (("--draft", "int4", "--draft", "int4"), "two drafts are named 'int4'"),
-        (("--device", "cpu"), "--device do not apply to ONNX Runtime engines"),
+        (("--device", "cpu"), "--device does not apply to ONNX Runtime engines"),
+        (("--enforce-eager",), "--enforce-eager does not apply to ONNX Runtime engines"),
         (("--no-peers", "--peer-num-draft-tokens", "2"), "need the transformers peers"),
     ],
 )

@@ -94,6 +94,7 @@ def test_chat_template(target) -> None:
         (["-k", "automatic", "x"], 2, "'automatic' is neither a draft length (an integer from 0 to 64) nor 'auto'"),
         (["-k", "65", "x"], 2, "neither a draft length"),
         (["--num-draft-tokens", "-1", "x"], 2, "neither a draft length"),
+        (["--provider", "cpu", "x"], 2, "--provider does not apply to the PyTorch engine"),
     ],
 )
 def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message: str) -> None:
@@ -101,6 +102,14 @@ def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message:
     assert result.exit_code == code
     assert message in result.output
     assert "Traceback" not in result.output
+
+
+def test_eager_mode_on_the_pytorch_engine_only(target, tmp_path) -> None:
+    """--enforce-eager runs (on the CPU the engine is eager anyway) and is refused for ONNX Runtime engines."""
+    result = invoke("--target", str(target), "--enforce-eager", "-n", "4", "--json", "hi")
+    assert result.exit_code == 0, result.output
+    result = invoke("--engines", str(tmp_path), "--enforce-eager", "hi")
+    assert result.exit_code == 2 and "--enforce-eager does not apply to ONNX Runtime engines" in result.output
 
 
 def test_mismatched_draft_vocabulary(target, make_checkpoint) -> None:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTr
 
 from build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
 from build_engines.model import ModelConfig, UnsupportedModelError
+from runtime import cuda_graphs
 from runtime.engine import ContextOverflowError
 from runtime.torch_engine import TorchEngine
 
@@ -58,7 +59,28 @@ def random_ids(generator: torch.Generator, n: int, vocab_size: int) -> list[int]
 
 
 def assert_logits(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(actual.cpu(), expected, atol=ATOL, rtol=0)
+
+
+# The engine on the CPU, and on a CUDA device replaying CUDA graphs (those variants' names hold "cuda", so
+# scripts/gpu_check.sh runs them; here they skip).
+BACKENDS = [
+    "cpu",
+    pytest.param("cuda-graphs", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+]
+
+
+def make_engine(checkpoint: Checkpoint, backend: str, monkeypatch: pytest.MonkeyPatch) -> TorchEngine:
+    """The engine under test. With CUDA graphs the shortest span is cut to 16 positions, so these short
+    sequences cross several spans and every (width, span) pair they meet is captured, and the widest graph to 6
+    tokens, so the 9-token verify blocks take the eager path beside them."""
+    if backend == "cpu":
+        return TorchEngine.from_checkpoint(checkpoint)
+    monkeypatch.setattr(cuda_graphs, "MIN_SPAN", 16)
+    monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_TOKENS", 6)
+    engine = TorchEngine.from_checkpoint(checkpoint, device="cuda")
+    assert engine.cuda_graphs and engine.num_graphs == 0
+    return engine
 
 
 def right_padded(
@@ -119,9 +141,10 @@ def test_truncate_then_refeed_ignores_stale_drafts(family: Family) -> None:
     assert_logits(logits[0], reference_logits(family.reference, kept + replacement)[-2:])
 
 
-def test_speculative_rounds_match_reference(family: Family) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_speculative_rounds_match_reference(family: Family, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Several verify rounds with every acceptance pattern: none, some, all, and plain decode steps."""
-    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    engine = make_engine(family.checkpoint, backend, monkeypatch)
     generator = torch.Generator().manual_seed(3)
     seq = random_ids(generator, 10, engine.vocab_size)
     engine.prefill(torch.tensor([seq]), torch.tensor([len(seq)]))
@@ -133,12 +156,14 @@ def test_speculative_rounds_match_reference(family: Family) -> None:
         seq += new[:kept]
         engine.truncate(len(seq))
         assert engine.lengths.tolist() == [len(seq)]
+    assert backend == "cpu" or engine.num_graphs >= 3  # widths 1, 4 and 6, over spans of 16 to 64 positions
 
 
-def test_ragged_batch_matches_reference_per_row(family: Family) -> None:
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ragged_batch_matches_reference_per_row(family: Family, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with different prompt lengths (right-padded) and different truncate lengths per round each
     match the reference run on that row's own unpadded sequence."""
-    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    engine = make_engine(family.checkpoint, backend, monkeypatch)
     vocab = engine.vocab_size
     generator = torch.Generator().manual_seed(4)
     seqs = [random_ids(generator, n, vocab) for n in (5, 11, 8)]
@@ -160,6 +185,40 @@ def test_ragged_batch_matches_reference_per_row(family: Family) -> None:
             seqs[row] += new[row, :kept].tolist()
         engine.truncate(torch.tensor([len(s) for s in seqs]))
         assert engine.lengths.tolist() == [len(s) for s in seqs]
+    assert backend == "cpu" or engine.num_graphs >= 2  # widths 3 and 1 replayed graphs
+
+
+def test_a_fixed_attention_span_gives_the_exact_logits(llama: Family) -> None:
+    """What the CUDA graphs rely on: attending over a fixed span, longer than any row needs, masks the extra
+    positions (stale drafts and untouched cache included) and gives the reference logits."""
+    model = TorchEngine.from_checkpoint(llama.checkpoint).model
+    vocab = model.config.vocab_size
+    generator = torch.Generator().manual_seed(7)
+    seqs = [random_ids(generator, n, vocab) for n in (6, 13)]
+    ids, lengths = right_padded(seqs, generator, vocab)
+    cache = model.new_cache(len(seqs), torch.float32, "cpu")
+    with torch.inference_mode():
+        model(ids, torch.zeros(len(seqs), dtype=torch.int64), *cache, logits_at=lengths - 1)
+        for width, kept_per_row in [(VERIFY_WIDTH, (2, 9)), (1, (1, 0)), (4, (4, 1))]:
+            new = torch.randint(3, vocab, (len(seqs), width), generator=generator)
+            starts = torch.tensor([len(s) for s in seqs])
+            logits = model(new, starts, *cache, attended=model.max_context)
+            for row, seq in enumerate(seqs):
+                assert_logits(logits[row], reference_logits(llama.reference, seq + new[row].tolist())[-width:])
+            for row, kept in enumerate(kept_per_row):
+                seqs[row] += new[row, :kept].tolist()
+
+
+def test_attention_spans_are_powers_of_two_up_to_the_context() -> None:
+    span = cuda_graphs.attention_span
+    assert cuda_graphs.MIN_SPAN == 256
+    assert [span(n, 4096) for n in (1, 256, 257, 600, 1500, 2049)] == [256, 256, 512, 1024, 2048, 4096]
+    assert span(1500, 1536) == 1536 and span(100, 200) == 200
+
+
+def test_cuda_graphs_without_a_cuda_device_are_refused(llama: Family) -> None:
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        TorchEngine.from_checkpoint(llama.checkpoint, cuda_graphs=True)
 
 
 # --- engine error contract -------------------------------------------------------------------------------

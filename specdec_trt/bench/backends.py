@@ -90,16 +90,22 @@ def open_engines(directory: Path, drafts: list[str], provider: str, threads: int
 
 
 def open_checkpoints(
-    target: Path, drafts: list[str], device: str, dtype: torch.dtype, max_context: int | None, threads: int
+    target: Path,
+    drafts: list[str],
+    device: str,
+    dtype: torch.dtype,
+    max_context: int | None,
+    threads: int,
+    cuda_graphs: bool | None = None,
 ) -> Backend:
-    """Our side from checkpoints on the PyTorch engine."""
+    """Our side from checkpoints on the PyTorch engine (``cuda_graphs``: see ``TorchEngine``)."""
     torch_device = usable_device(device)
     header = read_header(target)
     models = [d for d in drafts if d != NGRAM]
     for draft in models:  # refuse a mismatched draft before reading any weights
         check_same_vocabulary(header, read_header(draft))
     checkpoint = load_checkpoint(target, dtype)
-    engine = TorchEngine.from_checkpoint(checkpoint, max_context, torch_device)
+    engine = TorchEngine.from_checkpoint(checkpoint, max_context, torch_device, cuda_graphs)
     drafters: dict[str, Drafter] = {}
     for draft in drafts:
         if draft == NGRAM:
@@ -107,7 +113,7 @@ def open_checkpoints(
         else:
             draft_checkpoint = load_checkpoint(draft, dtype)
             context = min(engine.max_context, draft_checkpoint.config.max_context)
-            draft_engine = TorchEngine.from_checkpoint(draft_checkpoint, context, torch_device)
+            draft_engine = TorchEngine.from_checkpoint(draft_checkpoint, context, torch_device, cuda_graphs)
             _add(drafters, Path(draft).name, ModelDrafter(draft_engine))
     eos = list(checkpoint.config.eos_token_ids)
     return Backend(

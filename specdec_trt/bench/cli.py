@@ -31,7 +31,14 @@ from specdec_trt.bench.plots import write_plots
 from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.bench.summary import summarise
-from specdec_trt.cli import DTYPES, check_backend_options, default_engines, engines_option, number_list
+from specdec_trt.cli import (
+    DTYPES,
+    ENFORCE_EAGER_HELP,
+    check_backend_options,
+    default_engines,
+    engines_option,
+    number_list,
+)
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
 from specdec_trt.loading import DRAFT_FROM_ENGINES
 
@@ -149,6 +156,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
 )
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Weight dtype with --target. [default: float32]")
 @click.option("--max-context", type=click.IntRange(min=8), help="KV cache positions with --target.")
+@click.option("--enforce-eager", is_flag=True, default=None, help=ENFORCE_EAGER_HELP)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -190,6 +198,7 @@ def bench(
     device: str | None,
     dtype: str | None,
     max_context: int | None,
+    enforce_eager: bool | None,
     out: Path,
     plots_dir: Path | None,
     from_json: Path | None,
@@ -217,7 +226,15 @@ def bench(
     if device is not None and engines is None and target is None:
         target = default_model_path()  # a torch device means the PyTorch engine
     check_backend_options(
-        engines, target, {"provider": provider, "device": device, "dtype": dtype, "max_context": max_context}
+        engines,
+        target,
+        {
+            "provider": provider,
+            "device": device,
+            "dtype": dtype,
+            "max_context": max_context,
+            "enforce_eager": enforce_eager,
+        },
     )
     if not peers and (hf_target or peer_gammas):
         raise click.UsageError("--hf-target and --peer-num-draft-tokens need the transformers peers (--peers)")
@@ -243,7 +260,13 @@ def bench(
         with err.status("Loading models…"):
             if target is not None:
                 backend = open_checkpoints(
-                    target, list(drafts or (NGRAM,)), device or "cpu", torch_dtype, max_context, torch_threads
+                    target,
+                    list(drafts or (NGRAM,)),
+                    device or "cpu",
+                    torch_dtype,
+                    max_context,
+                    torch_threads,
+                    cuda_graphs=False if enforce_eager else None,
                 )
             else:
                 backend = open_engines(engines, list(drafts or (DRAFT_FROM_ENGINES, NGRAM)), provider or "cpu", threads)
