@@ -1,7 +1,7 @@
 """The compact decoder's forward replayed from CUDA graphs.
 
 Dispatched one by one from Python, a small model's kernels cost more to launch than to run: a SmolLM2-135M step
-is about 1,500 PyTorch operations, and took 17 to 28 ms eager on an H200 against 2.9 ms replayed from a graph
+is about 1,500 PyTorch operations, and took 16 to 28 ms eager on an H200 against 2.9 ms replayed from a graph
 (scripts/bench_gpu.py). A captured graph replays them all with one launch. A graph has fixed shapes and
 addresses, so:
 
