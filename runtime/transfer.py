@@ -4,11 +4,18 @@ A copy from pageable host memory, or into it, makes the host wait until the devi
 before it: on a GPU each such copy stalls the loop. Through pinned (page-locked) memory the copy is queued
 like a kernel. PyTorch's pinned-memory cache keeps a pinned block alive until the copies that use it have
 run, so a temporary pinned tensor is safe to drop at once. On the CPU these are plain copies.
+``count_host_syncs`` checks that a piece of code keeps to this.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -44,3 +51,17 @@ class HostCopy:
         if self._done is not None and not self._done.query():
             self._done.synchronize()
         return self._host
+
+
+def count_host_syncs(function: Callable[[], T]) -> tuple[int, T]:
+    """(synchronising CUDA calls that ``function()`` made, its result), counted from the warnings of CUDA's sync
+    debug mode: device-to-host reads, pageable host-to-device copies, stream and device synchronisations."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = function()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught), result

@@ -34,7 +34,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,6 +54,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerF
 from build_engines.checkpoint import load_checkpoint  # noqa: E402
 from build_engines.model import DRAFT_VOCAB_KEY  # noqa: E402
 from runtime.torch_engine import TorchEngine  # noqa: E402
+from runtime.transfer import count_host_syncs  # noqa: E402
 from specdec_trt import SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdec_trt.stats import ideal_speedup  # noqa: E402
 
@@ -150,19 +150,10 @@ def step_ms(engine, timer: Timer, context: int, new_tokens: int, repeats: int, w
     return 1e3 * statistics.median(samples)
 
 
-def count_host_syncs(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, gamma: int) -> dict:
-    """Synchronising CUDA calls (device-to-host reads, pageable host-to-device copies, stream syncs) during
-    one generation, from the warnings of CUDA's sync debug mode, and their ratio to its rounds (the request's
-    own syncs included)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = decoder.generate(prompt, params, num_draft_tokens=gamma)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
+def host_syncs_of(decoder: SpeculativeDecoder, prompt: list[int], params: SamplingParams, gamma: int) -> dict:
+    """Synchronising CUDA calls during one generation (``count_host_syncs``), and their ratio to its rounds
+    (the request's own syncs included)."""
+    syncs, out = count_host_syncs(lambda: decoder.generate(prompt, params, num_draft_tokens=gamma))
     rounds = out.stats.rounds
     return {"syncs": syncs, "rounds": rounds, "syncs_per_round": syncs / rounds if rounds else None}
 
@@ -432,7 +423,7 @@ class Run:
                 ]
                 for p in params:  # capture every shape first: a capture synchronises
                     spec.generate(self.prompt, p, num_draft_tokens=k)
-                counts = [count_host_syncs(spec, self.prompt, p, k) for p in params]
+                counts = [host_syncs_of(spec, self.prompt, p, k) for p in params]
                 extra_rounds = counts[1]["rounds"] - counts[0]["rounds"]
                 rows[name] = {f"max_new_tokens={n}": count for n, count in zip(lengths, counts)} | {
                     "syncs_per_round": (counts[1]["syncs"] - counts[0]["syncs"]) / extra_rounds

@@ -154,8 +154,15 @@ def run(
       specdec-run --engines engines/my-llama -k auto "Once upon a time"
       specdec-run --target ./llama-1b --draft ./llama-160m "Once upon a time"
     """
-    options = {"provider": provider, "threads": threads, "device": device, "dtype": dtype, "max_context": max_context}
-    check_backend_options(engines, target, options | {"enforce_eager": enforce_eager})
+    options = {
+        "provider": provider,
+        "threads": threads,
+        "device": device,
+        "dtype": dtype,
+        "max_context": max_context,
+        "enforce_eager": enforce_eager,
+    }
+    check_backend_options(engines, target, options)
     err = Console(stderr=True)
     text = _read_prompt(prompt)
     try:

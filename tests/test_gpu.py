@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from conftest import TEXT_VOCAB_SIZE
 
 from build_engines.checkpoint import read_config
 from build_engines.model import DRAFT_VOCAB_KEY
+from runtime.transfer import count_host_syncs
 from specdec_trt import SamplingParams, SpeculativeDecoder, rejection
 from specdec_trt.decoder import AUTO
 from specdec_trt.distill import DataSettings, DistillConfig, TrainSettings, distill
@@ -165,19 +165,6 @@ def test_cuda_pruned_draft_speculative_greedy_equals_plain(make_checkpoint, tmp_
 
 
 # --- host synchronisations with CUDA graphs -----------------------------------------------------------------
-
-
-def count_host_syncs(function):
-    """(synchronising CUDA calls during ``function()``, its result), from the warnings of CUDA's sync debug mode."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            result = function()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught), result
 
 
 @needs_cuda
