@@ -54,6 +54,11 @@ CONFIDENCE_PRIOR = np.convolve(np.r_[0.0, CONFIDENCE_BINS, 1.0], [0.5, 0.5], "va
 CALIBRATION_SHRINK = 2.0  # the prior's weight in a bin, in trials
 
 
+def confidence_bin(confidence: np.ndarray) -> np.ndarray:
+    """Each confidence's bin index in ``CONFIDENCE_BINS`` (an edge belongs to the bin above it)."""
+    return np.searchsorted(CONFIDENCE_BINS, confidence, side="right")
+
+
 class DecayedLine:
     """y = intercept + slope * x by least squares over decayed observations, both coefficients >= 0. Until
     two distinct x were seen the slope is unknown: ``through_origin`` then fits y = slope * x (all of y is
@@ -196,7 +201,7 @@ class DraftLengthController:
         self.judged_accepted *= fade
         if confidence is not None and num_drafted:
             self.reports_confidence = True
-            bins = np.searchsorted(CONFIDENCE_BINS, np.asarray(confidence)[rows], side="right")
+            bins = confidence_bin(np.asarray(confidence)[rows])
             judged = reached[:, :num_drafted]
             passed = judged & (position[:, :num_drafted] < accepted[:, None])
             np.add.at(self.judged, bins[judged], 1.0)
@@ -218,6 +223,6 @@ class CostAwareStop:
 
     def __call__(self, confidence: torch.Tensor) -> bool:
         """Whether the round ends after the token just drafted (one host sync)."""
-        bins = np.searchsorted(CONFIDENCE_BINS, confidence.float().cpu().numpy(), side="right")
+        bins = confidence_bin(confidence.float().cpu().numpy())
         self.gain = self.gain * self.acceptance_by_bin[bins]
         return float(self.gain.sum()) < self.threshold
