@@ -1,9 +1,11 @@
 """GPU engine figures on random-weight models of SmolLM2-135M's exact shape (no weights travel).
 
 Run from the repository root (``PYTHONPATH=.``); every figure is a median over ``--repeats`` after warm-up,
-with the device synchronised around each timing. On CUDA each figure is measured for both modes of our
-PyTorch engine side by side: "eager" (kernels launched one by one from Python) and "graphs" (every step
-replayed from a CUDA graph, the default on a GPU); on a CPU only "eager" exists.
+with the device synchronised around each timing. Each figure is measured for every mode of our PyTorch engine
+side by side: "eager" (kernels launched one by one from Python), on CUDA "graphs" (every step replayed from a
+CUDA graph, the default on a GPU), and "compiled" (``torch.compile``'s fused kernels, replayed from CUDA graphs
+on CUDA, eager on a CPU). The first generation of each mode, a warm-up, includes its compiling and capturing:
+its time is reported as well.
 
 1. the engine's per-token decode step (T=1) after 100 and 1,500 cached tokens, the memory bandwidth that
    step achieves (weight bytes / step time), and the verify cost ratio forward(T=5) / forward(T=1);
@@ -81,8 +83,7 @@ QUICK_TARGET_LAYERS = 4
 PROMPT_TOKENS = 100
 CONTEXTS = (100, 1500)
 MAX_CONTEXT = 2048
-EAGER, GRAPHS = "eager", "graphs"
-MODES = (EAGER, GRAPHS)  # our engine's two modes on CUDA; a CPU has only eager
+EAGER, GRAPHS, COMPILED = "eager", "graphs", "compiled"
 console = Console(width=None if sys.stdout.isatty() else 140)  # logs: no wrapping at 80 columns
 
 
@@ -245,21 +246,23 @@ def main(
         save("models")
         run = Run(dev, timer, random_prompt(), SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
         run.repeats, run.step_repeats = repeats, step_repeats
-        modes = MODES if dev.type == "cuda" else MODES[:1]
+        modes = engine_modes(dev)
         results["modes"] = list(modes)
 
         plain = {
-            mode: SpeculativeDecoder.from_pretrained(
-                target_dir, None, device=dev, max_context=MAX_CONTEXT, cuda_graphs=mode == GRAPHS
-            )
-            for mode in modes
+            mode: SpeculativeDecoder.from_pretrained(target_dir, None, device=dev, max_context=MAX_CONTEXT, **options)
+            for mode, options in modes.items()
         }
-        results["weight_bytes"] = weight_bytes(plain[modes[0]].target)
+        results["weight_bytes"] = weight_bytes(plain[EAGER].target)
+        results["first_generation_s"] = {mode: run.first_generation(decoder) for mode, decoder in plain.items()}
+        save("first generation")
         results["target_steps"] = {mode: run.target_steps(decoder.target) for mode, decoder in plain.items()}
         save("target steps")
         results["plain"] = run.plain_vs_transformers(plain, target_dir)
         save("plain vs transformers")
-        results["draft_cost"] = {mode: run.draft_cost(plain[mode].target, draft_dir, mode) for mode in modes}
+        results["draft_cost"] = {
+            mode: run.draft_cost(plain[mode].target, draft_dir, options) for mode, options in modes.items()
+        }
         save("draft cost")
         for decoder in plain.values():
             decoder.close()
@@ -268,9 +271,9 @@ def main(
             torch.cuda.empty_cache()
 
         results["self_draft"], results["host_syncs"] = {}, {}
-        for mode in modes:
+        for mode, options in modes.items():
             spec = SpeculativeDecoder.from_pretrained(
-                target_dir, target_dir, device=dev, max_context=MAX_CONTEXT, cuda_graphs=mode == GRAPHS
+                target_dir, target_dir, device=dev, max_context=MAX_CONTEXT, **options
             )
             results["self_draft"][mode] = run.self_draft(spec, gamma)
             save(f"self-draft ({mode})")
@@ -283,6 +286,17 @@ def main(
     save()
     print_tables(results)
     console.print(f"wrote {out} in {time.perf_counter() - started:.0f} s")
+
+
+def engine_modes(device: torch.device) -> dict[str, dict[str, bool]]:
+    """Our engine's modes on ``device``, as ``TorchEngine`` options."""
+    if device.type != "cuda":
+        return {EAGER: {"compiled": False}, COMPILED: {"compiled": True}}
+    return {
+        EAGER: {"cuda_graphs": False, "compiled": False},
+        GRAPHS: {"cuda_graphs": True, "compiled": False},
+        COMPILED: {"cuda_graphs": True, "compiled": True},
+    }
 
 
 def random_prompt() -> list[int]:
@@ -305,6 +319,13 @@ class Run:
 
     def step(self, engine, context: int, new_tokens: int = 1) -> float:
         return step_ms(engine, self.timer, context, new_tokens, self.step_repeats, warmup=1)
+
+    def first_generation(self, decoder: SpeculativeDecoder) -> float:
+        """Seconds of a decoder's first plain generation (8 tokens), which compiles and captures what it needs."""
+        seconds, _ = self.timer(
+            lambda: decoder.generate(self.prompt, dataclasses.replace(self.greedy, max_new_tokens=8))
+        )
+        return seconds
 
     def target_steps(self, target: TorchEngine) -> dict:
         """1: the target's step cost at each context, T=1 and T=5, and the bandwidth of the T=1 step."""
@@ -338,7 +359,7 @@ class Run:
 
         seconds: dict[str, list[float]] = {mode: [] for mode in plain} | {"transformers": []}
         ids: dict[str, list[int]] = {}
-        for i in range(1 + self.repeats):  # the first round is the warm-up (and captures the graphs)
+        for i in range(1 + self.repeats):  # the first round is the warm-up (it compiles and captures)
             for mode, decoder in plain.items():
                 elapsed, output = self.timer(lambda d=decoder: d.generate(self.prompt, self.greedy, num_draft_tokens=0))
                 ids[mode] = output.token_ids
@@ -355,13 +376,12 @@ class Run:
             "same_prefix_tokens_as_transformers": {mode: same_prefix(ids[mode], ids["transformers"]) for mode in plain},
         }
 
-    def draft_cost(self, target: TorchEngine, draft_dir: Path, mode: str) -> dict:
+    def draft_cost(self, target: TorchEngine, draft_dir: Path, options: dict[str, bool]) -> dict:
         """3: c of the 2-layer draft with its pruned head, and with the full head, against the target."""
         checkpoint = load_checkpoint(draft_dir)
         full = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, draft_vocab=None))
-        graphs = mode == GRAPHS
-        pruned = TorchEngine.from_checkpoint(checkpoint, MAX_CONTEXT, self.device, graphs)
-        unpruned = TorchEngine.from_checkpoint(full, MAX_CONTEXT, self.device, graphs)
+        pruned = TorchEngine.from_checkpoint(checkpoint, MAX_CONTEXT, self.device, **options)
+        unpruned = TorchEngine.from_checkpoint(full, MAX_CONTEXT, self.device, **options)
         rows = {}
         for context in CONTEXTS:
             target_ms, pruned_ms, unpruned_ms = (self.step(e, context) for e in (target, pruned, unpruned))
@@ -483,7 +503,8 @@ def print_tables(results: dict) -> None:
             f"{p['tokens_per_s'][mode]:.1f}",
             "1.00x",
             f"{p['ms_per_token'][mode]:.2f} ms/token; {p['vs_transformers'][mode]:.2f}x transformers; first "
-            f"{p['same_prefix_tokens_as_transformers'][mode]} tokens as transformers'",
+            f"{p['same_prefix_tokens_as_transformers'][mode]} tokens as transformers'; first generation "
+            f"{results['first_generation_s'][mode]:.1f} s",
         )
         s = results["self_draft"][mode]
         gen.add_row(

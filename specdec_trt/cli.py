@@ -19,11 +19,15 @@ from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, Gen
 from specdec_trt.sampling import SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_TORCH_ONLY = ("device", "dtype", "max_context", "enforce_eager")
+_TORCH_ONLY = ("device", "dtype", "max_context", "enforce_eager", "compile")
 _ONNX_ONLY = ("provider", "threads")
 ENFORCE_EAGER_HELP = (
     "With --target on a CUDA device: launch every kernel from Python instead of replaying CUDA graphs "
     "(slower; for debugging, as vLLM's --enforce-eager)."
+)
+COMPILE_HELP = (
+    "With --target: run the engines' steps through torch.compile, which fuses each layer's small kernels (the "
+    "first steps compile, for up to a minute or two; faster on a GPU, see the README)."
 )
 
 
@@ -122,6 +126,7 @@ engines_option = click.option(
     "Default: the model's limit, at most 4096.",
 )
 @click.option("--enforce-eager", is_flag=True, default=None, help=ENFORCE_EAGER_HELP)
+@click.option("--compile", "compile_steps", is_flag=True, default=None, help=COMPILE_HELP)
 def run(
     prompt: str | None,
     engines: Path | None,
@@ -143,6 +148,7 @@ def run(
     dtype: str | None,
     max_context: int | None,
     enforce_eager: bool | None,
+    compile_steps: bool | None,
 ) -> None:
     """Generate from PROMPT with lossless speculative decoding, streaming text to stdout and a stats table
     to stderr. PROMPT '-' (or none, with piped input) reads standard input.
@@ -161,6 +167,7 @@ def run(
         "dtype": dtype,
         "max_context": max_context,
         "enforce_eager": enforce_eager,
+        "compile": compile_steps,
     }
     check_backend_options(engines, target, options)
     err = Console(stderr=True)
@@ -187,6 +194,7 @@ def run(
                     dtype=DTYPES[dtype or "float32"],
                     max_context=max_context,
                     cuda_graphs=False if enforce_eager else None,
+                    compiled=bool(compile_steps),
                 )
             else:
                 decoder = SpeculativeDecoder.from_engines(

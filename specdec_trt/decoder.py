@@ -163,12 +163,14 @@ class SpeculativeDecoder:
         max_context: int | None = None,
         draft_confidence_threshold: float | None = None,
         cuda_graphs: bool | None = None,
+        compiled: bool = False,
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
         embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None. On a CUDA
-        device the engines replay their steps from CUDA graphs unless ``cuda_graphs=False``."""
+        device the engines replay their steps from CUDA graphs unless ``cuda_graphs=False``; ``compiled=True``
+        runs them through ``torch.compile`` (see ``TorchEngine``)."""
         check_num_draft_tokens(num_draft_tokens)  # before loading anything
-        checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context, cuda_graphs)
+        checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context, cuda_graphs, compiled)
         eos = checkpoint.config.eos_token_ids
         return cls(engine, drafter, checkpoint.tokenizer, eos, num_draft_tokens, draft_confidence_threshold)
 

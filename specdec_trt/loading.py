@@ -55,10 +55,11 @@ def load_engines(
     dtype: torch.dtype = torch.float32,
     max_context: int | None = None,
     cuda_graphs: bool | None = None,
+    compiled: bool = False,
 ) -> tuple[Checkpoint, TorchEngine, Drafter | None]:
     """Load the target (the embedded default model when None) and the drafter: None or "none" for plain
-    decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file. ``cuda_graphs``: see
-    ``TorchEngine`` (default: on for a CUDA device)."""
+    decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file. ``cuda_graphs`` and
+    ``compiled``: see ``TorchEngine`` (graphs are on by default on a CUDA device; compiling is off)."""
     device = usable_device(device)
     target_path = target if target is not None else default_model_path()
     draft_model = draft is not None and str(draft) not in (*DRAFT_NONE, DRAFT_NGRAM)
@@ -67,10 +68,10 @@ def load_engines(
     target_ck = load_checkpoint(target_path, dtype)
     draft_ck = load_checkpoint(draft, dtype) if draft_model else None
     drafter: Drafter | None = PromptLookupDrafter(device=device) if str(draft) == DRAFT_NGRAM else None
-    target_engine = TorchEngine.from_checkpoint(target_ck, max_context, device, cuda_graphs)
+    target_engine = TorchEngine.from_checkpoint(target_ck, max_context, device, cuda_graphs, compiled)
     if draft_ck is not None:
         draft_context = min(target_engine.max_context, draft_ck.config.max_context)
-        drafter = ModelDrafter(TorchEngine.from_checkpoint(draft_ck, draft_context, device, cuda_graphs))
+        drafter = ModelDrafter(TorchEngine.from_checkpoint(draft_ck, draft_context, device, cuda_graphs, compiled))
     return target_ck, target_engine, drafter
 
 

@@ -442,6 +442,7 @@ def test_limit_takes_the_first_prompts_and_zero_takes_all(
         (("--draft", "int4", "--draft", "int4"), "two drafts are named 'int4'"),
         (("--device", "cpu"), "--device does not apply to ONNX Runtime engines"),
         (("--enforce-eager",), "--enforce-eager does not apply to ONNX Runtime engines"),
+        (("--compile",), "--compile does not apply to ONNX Runtime engines"),
         (("--no-peers", "--peer-num-draft-tokens", "2"), "need the transformers peers"),
     ],
 )

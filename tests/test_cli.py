@@ -104,12 +104,16 @@ def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message:
     assert "Traceback" not in result.output
 
 
-def test_eager_mode_on_the_pytorch_engine_only(target, tmp_path) -> None:
-    """--enforce-eager runs (on the CPU the engine is eager anyway) and is refused for ONNX Runtime engines."""
-    result = invoke("--target", str(target), "--enforce-eager", "-n", "4", "--json", "hi")
+@pytest.mark.parametrize("option", ["--enforce-eager", "--compile"])
+def test_step_modes_on_the_pytorch_engine_only(target, tmp_path, option: str) -> None:
+    """--enforce-eager (on the CPU the engine is eager anyway) and --compile run with --target, and give the
+    default mode's greedy tokens; both are refused for ONNX Runtime engines."""
+    default = invoke("--target", str(target), "-n", "6", "--json", "hi")
+    result = invoke("--target", str(target), option, "-n", "6", "--json", "hi")
     assert result.exit_code == 0, result.output
-    result = invoke("--engines", str(tmp_path), "--enforce-eager", "hi")
-    assert result.exit_code == 2 and "--enforce-eager does not apply to ONNX Runtime engines" in result.output
+    assert json.loads(result.stdout)["token_ids"] == json.loads(default.stdout)["token_ids"]
+    result = invoke("--engines", str(tmp_path), option, "hi")
+    assert result.exit_code == 2 and f"{option} does not apply to ONNX Runtime engines" in result.output
 
 
 def test_mismatched_draft_vocabulary(target, make_checkpoint) -> None:

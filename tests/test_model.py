@@ -14,6 +14,7 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import FAMILIES
+from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
@@ -71,15 +72,17 @@ BACKENDS = [
 
 
 def make_engine(checkpoint: Checkpoint, backend: str, monkeypatch: pytest.MonkeyPatch) -> TorchEngine:
-    """The engine under test. With CUDA graphs the shortest span is cut to 16 positions, so these short
-    sequences cross several spans and every (width, span) pair they meet is captured, and the widest graph to 6
-    tokens, so the 9-token verify blocks take the eager path beside them."""
-    if backend == "cpu":
-        return TorchEngine.from_checkpoint(checkpoint)
+    """The engine under test ("cpu", "cuda-graphs", or either "-compiled" through torch.compile). With CUDA
+    graphs the shortest span is cut to 16 positions, so these short sequences cross several spans and every
+    (width, span) pair they meet is captured, and the widest graph to 6 tokens, so the 9-token verify blocks take
+    the eager path beside them."""
+    compiled = backend.endswith("-compiled")
+    if backend.startswith("cpu"):
+        return TorchEngine.from_checkpoint(checkpoint, compiled=compiled)
     monkeypatch.setattr(cuda_graphs, "MIN_SPAN", 16)
     monkeypatch.setattr(cuda_graphs, "MAX_GRAPH_TOKENS", 6)
-    engine = TorchEngine.from_checkpoint(checkpoint, device="cuda")
-    assert engine.cuda_graphs and engine.num_graphs == 0
+    engine = TorchEngine.from_checkpoint(checkpoint, device="cuda", compiled=compiled)
+    assert engine.cuda_graphs and engine.compiled == compiled and engine.num_graphs == 0
     return engine
 
 
@@ -163,7 +166,29 @@ def test_speculative_rounds_match_reference(family: Family, backend: str, monkey
 def test_ragged_batch_matches_reference_per_row(family: Family, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows with different prompt lengths (right-padded) and different truncate lengths per round each
     match the reference run on that row's own unpadded sequence."""
-    engine = make_engine(family.checkpoint, backend, monkeypatch)
+    check_ragged_batch(family, make_engine(family.checkpoint, backend, monkeypatch), backend)
+
+
+COMPILED_BACKENDS = [
+    "cpu-compiled",
+    pytest.param(
+        "cuda-graphs-compiled", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    ),
+]
+
+
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
+def test_compiled_engine_matches_reference(llama: Family, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ragged-batch check through torch.compile's code (one family: each compile takes seconds; Inductor
+    lowers what every family shares). Dynamo's caches are cleared first (an earlier test may have compiled the
+    same model), so that the compiled graphs can be counted: compiled code must really have run."""
+    torch._dynamo.reset()
+    graphs_before = counters["stats"]["unique_graphs"]
+    check_ragged_batch(llama, make_engine(llama.checkpoint, backend, monkeypatch), backend)
+    assert counters["stats"]["unique_graphs"] - graphs_before >= 2  # one for T = 1, one for T > 1
+
+
+def check_ragged_batch(family: Family, engine: TorchEngine, backend: str) -> None:
     vocab = engine.vocab_size
     generator = torch.Generator().manual_seed(4)
     seqs = [random_ids(generator, n, vocab) for n in (5, 11, 8)]
@@ -185,7 +210,7 @@ def test_ragged_batch_matches_reference_per_row(family: Family, backend: str, mo
             seqs[row] += new[row, :kept].tolist()
         engine.truncate(torch.tensor([len(s) for s in seqs]))
         assert engine.lengths.tolist() == [len(s) for s in seqs]
-    assert backend == "cpu" or engine.num_graphs >= 2  # widths 3 and 1 replayed graphs
+    assert backend.startswith("cpu") or engine.num_graphs >= 2  # widths 3 and 1 replayed graphs
 
 
 def test_a_fixed_attention_span_gives_the_exact_logits(llama: Family) -> None:

@@ -97,15 +97,16 @@ def open_checkpoints(
     max_context: int | None,
     threads: int,
     cuda_graphs: bool | None = None,
+    compiled: bool = False,
 ) -> Backend:
-    """Our side from checkpoints on the PyTorch engine (``cuda_graphs``: see ``TorchEngine``)."""
+    """Our side from checkpoints on the PyTorch engine (``cuda_graphs``, ``compiled``: see ``TorchEngine``)."""
     torch_device = usable_device(device)
     header = read_header(target)
     models = [d for d in drafts if d != NGRAM]
     for draft in models:  # refuse a mismatched draft before reading any weights
         check_same_vocabulary(header, read_header(draft))
     checkpoint = load_checkpoint(target, dtype)
-    engine = TorchEngine.from_checkpoint(checkpoint, max_context, torch_device, cuda_graphs)
+    engine = TorchEngine.from_checkpoint(checkpoint, max_context, torch_device, cuda_graphs, compiled)
     drafters: dict[str, Drafter] = {}
     for draft in drafts:
         if draft == NGRAM:
@@ -113,7 +114,7 @@ def open_checkpoints(
         else:
             draft_checkpoint = load_checkpoint(draft, dtype)
             context = min(engine.max_context, draft_checkpoint.config.max_context)
-            draft_engine = TorchEngine.from_checkpoint(draft_checkpoint, context, torch_device, cuda_graphs)
+            draft_engine = TorchEngine.from_checkpoint(draft_checkpoint, context, torch_device, cuda_graphs, compiled)
             _add(drafters, Path(draft).name, ModelDrafter(draft_engine))
     eos = list(checkpoint.config.eos_token_ids)
     return Backend(

@@ -32,6 +32,7 @@ from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_t
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.bench.summary import summarise
 from specdec_trt.cli import (
+    COMPILE_HELP,
     DTYPES,
     ENFORCE_EAGER_HELP,
     check_backend_options,
@@ -157,6 +158,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Weight dtype with --target. [default: float32]")
 @click.option("--max-context", type=click.IntRange(min=8), help="KV cache positions with --target.")
 @click.option("--enforce-eager", is_flag=True, default=None, help=ENFORCE_EAGER_HELP)
+@click.option("--compile", "compile_steps", is_flag=True, default=None, help=COMPILE_HELP)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -199,6 +201,7 @@ def bench(
     dtype: str | None,
     max_context: int | None,
     enforce_eager: bool | None,
+    compile_steps: bool | None,
     out: Path,
     plots_dir: Path | None,
     from_json: Path | None,
@@ -234,6 +237,7 @@ def bench(
             "dtype": dtype,
             "max_context": max_context,
             "enforce_eager": enforce_eager,
+            "compile": compile_steps,
         },
     )
     if not peers and (hf_target or peer_gammas):
@@ -267,6 +271,7 @@ def bench(
                     max_context,
                     torch_threads,
                     cuda_graphs=False if enforce_eager else None,
+                    compiled=bool(compile_steps),
                 )
             else:
                 backend = open_engines(engines, list(drafts or (DRAFT_FROM_ENGINES, NGRAM)), provider or "cpu", threads)
