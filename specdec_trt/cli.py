@@ -26,8 +26,9 @@ ENFORCE_EAGER_HELP = (
     "(slower; for debugging, as vLLM's --enforce-eager)."
 )
 COMPILE_HELP = (
-    "With --target: run the engines' steps through torch.compile, which fuses each layer's small kernels (the "
-    "first steps compile, for up to a minute or two; faster on a GPU, see the README)."
+    "With --target: compile the engines' decoder layers with torch.compile, which fuses each layer's small "
+    "kernels: on a GPU, steps 1.6x as fast as CUDA graphs alone, after about 15 s of compiling in the first "
+    "steps (see the README)."
 )
 
 
