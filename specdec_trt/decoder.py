@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from runtime.engine import ContextOverflowError, Engine
-from runtime.transfer import to_device
+from runtime.transfer import HostCopy, to_device
 from specdec_trt.drafting import Draft, Drafter, StopRule, confidence_below
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import greedy_verify, rejection_sample
@@ -324,6 +324,8 @@ class SpeculativeDecoder:
             tick = time.perf_counter()
             draft = self._draft(sequences, num_drafts, sampler, self._stop_rule(schedule, active))
             tock = time.perf_counter()
+            # Queued now, read after the round's sync: reading the confidences would otherwise sync again.
+            confidence = None if draft.confidence is None else HostCopy(draft.confidence.float())
             self.target.truncate(torch.tensor([len(s) - 1 for s in sequences]))
             last = to_device(torch.tensor([s[-1:] for s in sequences]), self.target.device)
             target_logits = self.target.forward(torch.cat([last, draft.token_ids.to(last.device)], 1))
@@ -337,8 +339,8 @@ class SpeculativeDecoder:
             done = time.perf_counter()
             draft_s, verify_s = draft_s + tock - tick, verify_s + done - tock
             if schedule:
-                confidence = None if draft.confidence is None else draft.confidence.float().cpu().numpy()
-                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock, confidence)
+                judged = None if confidence is None else confidence.get().numpy()
+                schedule.observe(draft.num_tokens, num_accepted, active, tock - tick, done - tock, judged)
             for request, row, accepted in zip(requests, output, num_accepted):
                 if not request.finished:
                     request.stats.record_round(draft.num_tokens, accepted)
