@@ -207,6 +207,8 @@ def run(
                 )
         if chat:
             text = decoder.apply_chat_template(text)
+        if compile_steps:
+            err.print("[dim]torch.compile compiles the layers during the first steps (about 15 s on a GPU)…[/dim]")
         label = draft or ("ngram" if target is not None else "engine")
         if as_json:
             output = decoder.generate(text, params)

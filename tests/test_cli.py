@@ -112,6 +112,7 @@ def test_step_modes_on_the_pytorch_engine_only(target, tmp_path, option: str) ->
     result = invoke("--target", str(target), option, "-n", "6", "--json", "hi")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["token_ids"] == json.loads(default.stdout)["token_ids"]
+    assert ("torch.compile compiles the layers" in result.stderr) == (option == "--compile")  # no silent wait
     result = invoke("--engines", str(tmp_path), option, "hi")
     assert result.exit_code == 2 and f"{option} does not apply to ONNX Runtime engines" in result.output
 
