@@ -268,8 +268,9 @@ class CompactDecoder(nn.Module):
         if config.draft_vocab is not None:
             self.register_buffer("draft_vocab", torch.tensor(config.draft_vocab), persistent=False)
             self.register_buffer("logit_source", pruned_logit_source(config), persistent=False)
-            # The head's draft-vocabulary rows, gathered once by load_weights rather than at every step.
-            pruned_head = torch.zeros(len(config.draft_vocab), config.hidden_size)
+            # The head's draft-vocabulary rows, gathered once by load_weights rather than at every step, and
+            # stored transposed [hidden, V_draft]: x @ pruned_head needs no repacking on a CPU (cpu_linear.py).
+            pruned_head = torch.zeros(config.hidden_size, len(config.draft_vocab))
             self.register_buffer("pruned_head", pruned_head, persistent=False)
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -286,7 +287,7 @@ class CompactDecoder(nn.Module):
                 f"missing {sorted(missing)[:6]}, unexpected {sorted(unexpected)[:6]}"
             )
         if self.config.draft_vocab is not None:
-            self.pruned_head.copy_(self.lm_head.weight.detach()[self.draft_vocab])
+            self.pruned_head.copy_(self.lm_head.weight.detach()[self.draft_vocab].T)
 
     def new_cache(
         self, batch_size: int, dtype: torch.dtype, device: torch.device | str
@@ -338,7 +339,7 @@ class CompactDecoder(nn.Module):
         x = self.model.norm(x)
         if self.config.draft_vocab is None:
             return self.lm_head(x).float()
-        pruned = F.linear(x, self.pruned_head).float()
+        pruned = (x @ self.pruned_head).float()
         return F.pad(pruned, (0, 1), value=float("-inf"))[..., self.logit_source]
 
 

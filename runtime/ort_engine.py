@@ -12,6 +12,7 @@ inputs and a fresh logits array, so the Python work around a run stays small bes
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,19 +123,39 @@ class OrtEngine:
         cached prompts. For a self-draft (the target quantized), whose caches have the target's layout:
         its own pass over the prompt would cost more than the target's, and it then drafts on the
         target's keys and values (drafts are verified, so only the acceptance rate can change)."""
+        self._check_same_layout(source)
+        batch = next(iter(source._caches.values())).shape[0]
+        self._allocate(batch)
+        self._lengths = np.zeros(batch, dtype=np.int64)
+        self.adopt_cache(source, source._lengths.tolist())
+
+    def adopt_cache(self, source: OrtEngine, stops: Sequence[int]) -> None:
+        """Extend each row r of the cache to ``stops[r]`` tokens by copying the keys and values it lacks from
+        ``source`` (same layout: a self-draft), which must hold them: how a self-draft catches up with tokens
+        the target has processed, without a pass of its own."""
+        self._check_same_layout(source)
+        stops = np.asarray(stops, dtype=np.int64)
+        if len(stops) != len(self._lengths) or len(stops) != len(source._lengths):
+            raise ValueError(f"adopt_cache: {len(stops)} rows to extend, the engines hold {len(self._lengths)}")
+        if (stops > source._lengths).any() or (stops < self._lengths).any():
+            raise ValueError(
+                f"adopt_cache extends rows of {self._lengths.tolist()} tokens to {stops.tolist()} from a source "
+                f"holding {source._lengths.tolist()}: it only extends, with tokens the source holds"
+            )
+        check_room(torch.from_numpy(stops), 0, self.max_context)
+        for row, (start, stop) in enumerate(zip(self._lengths.tolist(), stops.tolist())):
+            for name, cache in self._caches.items() if start < stop else ():
+                cache[row, :, start:stop] = source._caches[name][row, :, start:stop]
+        self._lengths = stops.copy()
+
+    def _check_same_layout(self, source: OrtEngine) -> None:
         if source._cache_names != self._cache_names or source.spec.dtype != self.spec.dtype:
-            raise ValueError("adopt_prompt_cache needs an engine with the same cache layout (a self-draft)")
+            raise ValueError("adopting a cache needs an engine with the same cache layout (a self-draft)")
         if not source._caches:
             raise RuntimeError("the source engine has no cached prompt: prefill it first")
-        batch, heads, _, dim = next(iter(source._caches.values())).shape
+        _, heads, _, dim = next(iter(source._caches.values())).shape
         if (heads, dim) != (self.spec.num_kv_heads, self.spec.head_dim):
-            raise ValueError("adopt_prompt_cache needs an engine with the same cache layout (a self-draft)")
-        check_room(torch.from_numpy(source._lengths), 0, self.max_context)
-        width = int(source._lengths.max())
-        self._allocate(batch)
-        for name, cache in self._caches.items():
-            cache[:, :, :width] = source._caches[name][:, :, :width]
-        self._lengths = source._lengths.copy()
+            raise ValueError("adopting a cache needs an engine with the same cache layout (a self-draft)")
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         if not self._caches:

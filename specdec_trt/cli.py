@@ -12,11 +12,16 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from build_engines.manifest import MANIFEST_NAME
+from build_engines.manifest import MANIFEST_NAME, read_manifest
 from runtime.ort_engine import PROVIDERS
 from specdec_trt.build import PRESETS, QUANTIZATIONS, STAGES, BuildRequest, build, default_engine_dir
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, GenerationOutput, SpeculativeDecoder
 from specdec_trt.sampling import SamplingParams
+
+# What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
+# text repeats itself, the engines' draft elsewhere (README, "Measured": the fastest or close to it on every
+# suite, where either part alone falls well behind on some).
+ENGINES_DEFAULT_DRAFT = "ngram+engine"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _TORCH_ONLY = ("device", "dtype", "max_context", "enforce_eager", "compile")
@@ -83,8 +88,10 @@ engines_option = click.option(
 @click.option(
     "--draft",
     help="With --target: a checkpoint directory or .gguf file sharing the target's vocabulary (default "
-    "'ngram'). With engines: 'engine', the directory's own draft (default). Either way 'ngram' is prompt "
-    "lookup (no model) and 'none' plain target-only decoding.",
+    "'ngram'). With engines: 'engine', the directory's own draft. Either way 'ngram' is prompt lookup (no "
+    "model), 'none' plain target-only decoding, and 'ngram+' before a model draft ('ngram+engine', "
+    "'ngram+DIR') drafts by prompt lookup where the text so far repeats itself, with the model elsewhere. "
+    "[default: with engines that have a draft, 'ngram+engine' with -k auto; else 'engine' or 'ngram']",
 )
 @click.option(
     "--num-draft-tokens",
@@ -94,7 +101,8 @@ engines_option = click.option(
     "every round from the acceptance and costs measured so far (up to what the engines were built for, or "
     "8 with --target); a model draft then stops where its calibrated confidence says one more token no "
     "longer pays. "
-    "[default: 5, at most what the engines were built for]",
+    "[default: auto for the default draft of engines (see --draft); else 5, at most what the engines were "
+    "built for]",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128)
 @click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, help="0 is greedy decoding.")
@@ -198,6 +206,9 @@ def run(
                     compiled=bool(compile_steps),
                 )
             else:
+                if draft is None and read_manifest(engines, verify_files=False).draft is not None:
+                    draft = ENGINES_DEFAULT_DRAFT
+                    num_draft_tokens = AUTO if num_draft_tokens is None else num_draft_tokens
                 decoder = SpeculativeDecoder.from_engines(
                     engines,
                     draft or "engine",

@@ -78,20 +78,25 @@ class ModelDrafter:
     last two when every draft was accepted and the draft never ran on its own last token; more after plain
     rounds that drafted nothing). Rows feed one common width: a row needing fewer tokens re-feeds some it
     has, which rewrites the same keys and values at the same positions, so there is no branch per row.
+
+    A self-draft (``cache_from``: the target's engine, with the same cache layout) feeds only each row's newest
+    token: the keys and values of the committed tokens before it, which the target's verify pass computed,
+    are copied from the target's cache, so even a long run of tokens the draft never saw (rounds drafted by
+    prompt lookup, plain rounds) costs one draft step.
     """
 
-    def __init__(self, engine: Engine, prompt_cache_from: Engine | None = None) -> None:
+    def __init__(self, engine: Engine, cache_from: Engine | None = None) -> None:
         self.engine = engine
-        self.prompt_cache_from = prompt_cache_from
+        self.cache_from = cache_from
         self.max_context: int | None = engine.max_context
         self._cached: list[int] = []  # per row: committed tokens in the cache at the end of the last round
         self._fed = HostCopy(torch.zeros(0, 0, dtype=torch.int64))  # [B, k - 1]: the drafts written after them
 
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Prefill the draft, or, with ``prompt_cache_from`` (a self-draft sharing the target's cache
-        layout), copy the target's cached prompt, which the decoder has prefilled already."""
-        if self.prompt_cache_from is not None:
-            self.engine.adopt_prompt_cache(self.prompt_cache_from)
+        """Prefill the draft, or, with ``cache_from`` (a self-draft sharing the target's cache layout), copy
+        the target's cached prompt, which the decoder has prefilled already."""
+        if self.cache_from is not None:
+            self.engine.adopt_prompt_cache(self.cache_from)
         else:
             self.engine.prefill(prompt_ids, lengths)
         self._cached = lengths.tolist()
@@ -136,6 +141,10 @@ class ModelDrafter:
             min(_matching_prefix(s, base, drafts), length - 1, in_cache)
             for s, base, drafts, length, in_cache in zip(sequences, self._cached, fed, lengths, cached)
         ]
+        if self.cache_from is not None:  # a self-draft: the target holds all but each row's newest token
+            self.engine.truncate(torch.tensor(valid))
+            valid = [length - 1 for length in lengths]
+            self.engine.adopt_cache(self.cache_from, valid)
         width = max(length - v for length, v in zip(lengths, valid))
         # A row shorter than the width (possible only for a finished, frozen row) starts at 0, padded.
         starts = [max(length - width, 0) for length in lengths]
@@ -179,6 +188,10 @@ class PromptLookupDrafter:
     ) -> Draft:
         """Prompt lookup has no distribution of its own: ``stop_rule`` is ignored."""
         proposals = [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
+        return self.draft_from(proposals, sequences)
+
+    def draft_from(self, proposals: Sequence[np.ndarray], sequences: Sequence[Sequence[int]]) -> Draft:
+        """The batch's draft from each row's looked-up tokens."""
         width = max(len(p) for p in proposals)
         # Rows with shorter matches are padded; any deterministic draft is lossless, padding only costs
         # the verify positions the longest row needs anyway.
@@ -204,3 +217,34 @@ class PromptLookupDrafter:
                 start = matches[-1] + n
                 return sequence[start : start + num_tokens]
         return sequence[:0]
+
+
+class LookupFirstDrafter:
+    """Prompt lookup where it finds a match, a model draft elsewhere: each round, when the n-gram lookup
+    proposes tokens for every row, those are the round's drafts (at no model cost); otherwise the model
+    drafts for the whole batch. Text that copies its context (code, extraction, summaries) then drafts for
+    free, and free-form text still gets the model's drafts.
+
+    Lossless as each part is: which drafter runs depends only on the committed sequences. The model's cache
+    skips the lookup rounds; ``ModelDrafter`` feeds it the tokens committed meanwhile when it next drafts."""
+
+    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter) -> None:
+        self.lookup, self.model = lookup, model
+        self.engine = model.engine
+        self.max_context: int | None = model.max_context
+
+    def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Start the model's batch (prompt lookup keeps no state)."""
+        self.model.begin(prompt_ids, lengths)
+
+    def propose(
+        self,
+        sequences: Sequence[Sequence[int]],
+        num_tokens: int,
+        sampler: BatchSampler,
+        stop_rule: StopRule | None = None,
+    ) -> Draft:
+        proposals = [self.lookup.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
+        if all(len(p) for p in proposals):
+            return self.lookup.draft_from(proposals, sequences)
+        return self.model.propose(sequences, num_tokens, sampler, stop_rule)

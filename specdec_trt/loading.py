@@ -11,11 +11,27 @@ from build_engines.checkpoint import Checkpoint, default_model_path, load_checkp
 from build_engines.manifest import Manifest, ModelEntry, read_manifest
 from runtime.ort_engine import OrtEngine, OrtModelSpec
 from runtime.torch_engine import TorchEngine
-from specdec_trt.drafting import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
 
 DRAFT_NONE = ("none", "")
 DRAFT_NGRAM = "ngram"
 DRAFT_FROM_ENGINES = "engine"
+LOOKUP_FIRST = "ngram+"  # "ngram+<model draft>": prompt lookup where it matches, that model elsewhere
+
+
+def split_lookup_first(draft: str | Path | None) -> tuple[bool, str | Path | None]:
+    """("ngram+X" -> (True, "X")); any other draft name is returned as it is, with False."""
+    if draft is not None and str(draft).startswith(LOOKUP_FIRST):
+        model = str(draft).removeprefix(LOOKUP_FIRST)
+        if not model or model in (*DRAFT_NONE, DRAFT_NGRAM):
+            raise ValueError(f"draft {str(draft)!r}: after 'ngram+' name the model that drafts where lookup fails")
+        return True, model
+    return False, draft
+
+
+def lookup_first(drafter: ModelDrafter) -> LookupFirstDrafter:
+    """Prompt lookup first, ``drafter`` where it finds nothing (see ``LookupFirstDrafter``)."""
+    return LookupFirstDrafter(PromptLookupDrafter(device=drafter.engine.device), drafter)
 
 
 class VocabularyMismatchError(ValueError):
@@ -58,9 +74,11 @@ def load_engines(
     compiled: bool = False,
 ) -> tuple[Checkpoint, TorchEngine, Drafter | None]:
     """Load the target (the embedded default model when None) and the drafter: None or "none" for plain
-    decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file. ``cuda_graphs`` and
-    ``compiled``: see ``TorchEngine`` (graphs are on by default on a CUDA device; compiling is off)."""
+    decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file, which "ngram+" before
+    it puts behind prompt lookup. ``cuda_graphs`` and ``compiled``: see ``TorchEngine`` (graphs are on by
+    default on a CUDA device; compiling is off)."""
     device = usable_device(device)
+    lookup, draft = split_lookup_first(draft)
     target_path = target if target is not None else default_model_path()
     draft_model = draft is not None and str(draft) not in (*DRAFT_NONE, DRAFT_NGRAM)
     if draft_model:  # refuse a mismatched draft before reading any weights
@@ -72,6 +90,7 @@ def load_engines(
     if draft_ck is not None:
         draft_context = min(target_engine.max_context, draft_ck.config.max_context)
         drafter = ModelDrafter(TorchEngine.from_checkpoint(draft_ck, draft_context, device, cuda_graphs, compiled))
+        drafter = lookup_first(drafter) if lookup else drafter
     return target_ck, target_engine, drafter
 
 
@@ -93,8 +112,12 @@ def load_engine_directory(
     directory: str | Path, draft: str | None = DRAFT_FROM_ENGINES, provider: str = "cpu", threads: int | None = None
 ) -> tuple[Manifest, PreTrainedTokenizerBase | None, OrtEngine, Drafter | None]:
     """Check an engine directory (schema, checksums) and open its engines on ONNX Runtime. ``draft`` is
-    "engine" (the directory's own draft, if it was built with one), "ngram", or None / "none"."""
+    "engine" (the directory's own draft, if it was built with one), "ngram", "ngram+engine" (prompt lookup, the
+    directory's draft where it finds nothing), or None / "none"."""
     directory = Path(directory)
+    lookup, draft = split_lookup_first(draft)
+    if lookup and draft != DRAFT_FROM_ENGINES:
+        raise ValueError(f"draft 'ngram+{draft}' for an engine directory must be 'ngram+engine'")
     manifest = read_manifest(directory)
     # ONNX Runtime's thread pool owns the cores; torch only samples here, and its own threads waking
     # beside ONNX Runtime's slowed every step (measured: 34 vs 46 tok/s speculative on 2 cores).
@@ -107,8 +130,12 @@ def load_engine_directory(
     elif draft == DRAFT_FROM_ENGINES and manifest.draft is not None:
         draft_engine = OrtEngine(model_spec(directory, manifest.draft), provider, threads)
         # A self-draft shares the target's cache layout: it starts from the target's prompt cache (measured
-        # on SmolLM2: 3 ms instead of a 700 ms int4 prefill of 380 tokens, with acceptance as high or higher).
-        drafter = ModelDrafter(draft_engine, prompt_cache_from=target if manifest.draft_kind == "int4" else None)
+        # on SmolLM2: 3 ms instead of a 700 ms int4 prefill of 380 tokens, with acceptance as high or higher),
+        # and copies the keys and values of later tokens from the target too, feeding only the newest one.
+        drafter = ModelDrafter(draft_engine, cache_from=target if manifest.draft_kind == "int4" else None)
+        drafter = lookup_first(drafter) if lookup else drafter
+    elif lookup:
+        raise ValueError(f"{directory} was built without a draft: 'ngram+engine' needs one (or use 'ngram')")
     elif draft not in (None, DRAFT_FROM_ENGINES, *DRAFT_NONE):
-        raise ValueError(f"draft {draft!r} for an engine directory must be 'engine', 'ngram' or 'none'")
+        raise ValueError(f"draft {draft!r} for an engine directory must be 'engine', 'ngram', 'ngram+engine' or 'none'")
     return manifest, tokenizer, target, drafter

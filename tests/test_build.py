@@ -299,16 +299,20 @@ def run_json(*args: str) -> dict:
 def test_specdec_run_on_built_engines(built: Built) -> None:
     """The target is the same checkpoint in all three directories, so greedy output is the same whatever drafts."""
     prompt = "abcabcabcabc"  # repeats, so prompt lookup finds matches
-    model_draft = run_json("--engines", built.model_draft, "--json", "-n", "8", prompt)
+    model_draft = run_json("--engines", built.model_draft, "--draft", "engine", "--json", "-n", "8", prompt)
     assert model_draft["draft"] == "engine" and model_draft["num_draft_tokens"] == MAX_DRAFT_LEN
     assert model_draft["stats"]["drafted_tokens"] > 0
+    default = run_json("--engines", built.model_draft, "--json", "-n", "8", prompt)  # a directory with a draft
+    assert default["draft"] == "ngram+engine" and default["num_draft_tokens"] == "auto"
+    assert default["stats"]["drafted_tokens"] > 0
     int4 = run_json("--engines", built.int4_draft, "--json", "-n", "8", prompt)
     assert int4["stats"]["drafted_tokens"] > 0
     plain = run_json("--engines", built.no_draft, "--json", "-n", "8", prompt)
     assert plain["draft"] == "engine" and plain["num_draft_tokens"] == 0 and plain["stats"]["drafted_tokens"] == 0
     ngram = run_json("--engines", built.no_draft, "--draft", "ngram", "--json", "-n", "8", prompt)
     assert ngram["draft"] == "ngram" and ngram["stats"]["drafted_tokens"] > 0
-    assert model_draft["token_ids"] == int4["token_ids"] == plain["token_ids"] == ngram["token_ids"]
+    assert model_draft["token_ids"] == default["token_ids"] == int4["token_ids"] == plain["token_ids"]
+    assert ngram["token_ids"] == plain["token_ids"]
     assert len(plain["token_ids"]) == plain["stats"]["generated_tokens"] > 0
     hello = run_json("--engines", built.model_draft, "--json", "-n", "8", "hello")
     assert hello["stats"]["drafted_tokens"] > 0

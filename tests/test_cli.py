@@ -88,6 +88,8 @@ def test_chat_template(target) -> None:
         (["--temperature", "-1", "x"], 2, "--temperature"),
         (["--max-new-tokens", "0", "x"], 2, "--max-new-tokens"),
         (["--draft", "no/such/dir", "x"], 1, "does not exist"),
+        (["--draft", "ngram+none", "x"], 1, "after 'ngram+' name the model"),
+        (["--draft", "ngram+no/such/dir", "x"], 1, "does not exist"),
         (["--max-context", "16", "-n", "20", "x"], 1, "max context"),
         (["-n", "4", ""], 1, "prompt is empty"),
         (["--device", "tpu9", "x"], 1, "not a torch device"),
@@ -143,7 +145,8 @@ def test_default_model_answers(tmp_path) -> None:
         data = json.loads(completed.stdout)
         assert "Paris" in data["text"]
         assert data["stats"]["generated_tokens"] == len(data["token_ids"]) > 0
-        assert data["draft"] == "engine" and data["stats"]["drafted_tokens"] > 0
+        assert data["draft"] == "ngram+engine" and data["num_draft_tokens"] == "auto"
+        assert data["stats"]["drafted_tokens"] > 0
     assert "Building the default engines" in runs[0].stderr
     assert "Building" not in runs[1].stderr, "the second run should reuse the cached engines"
     assert (tmp_path / "engines" / "smollm2-135m" / "manifest.json").is_file()

@@ -15,7 +15,7 @@ from build_engines.checkpoint import load_checkpoint
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO
-from specdec_trt.drafting import ModelDrafter, StopRule, confidence_below
+from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter, StopRule, confidence_below
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
 MAX_DRAFT = 8
@@ -24,6 +24,7 @@ DRAFTS = {
     "agrees_often": 0.05,  # relative weight noise on a copy of the target
     "agrees_rarely": None,  # an independently initialised model
     "ngram": "ngram",
+    "lookup_first": "ngram+",  # prompt lookup, and the agrees_often model where lookup finds nothing
 }
 
 
@@ -33,6 +34,8 @@ def _draft_path(make_checkpoint, family: str, kind: str):
         return make_checkpoint(draft_of=(target_kwargs, DRAFTS[kind]), seed=100)
     if kind == "agrees_rarely":
         return make_checkpoint(family=family, seed=7)
+    if kind == "lookup_first":
+        return "ngram+" + str(_draft_path(make_checkpoint, family, "agrees_often"))
     return "ngram"
 
 
@@ -97,6 +100,29 @@ def test_auto_greedy_equals_target_only(family: str, kind: str, make_checkpoint)
     assert assert_auto_greedy_lossless(decoder, PROMPTS, GREEDY) > 0
 
 
+def test_lookup_first_alternates_lookup_and_model_rounds(make_checkpoint) -> None:
+    """Both parts draft in one generation, and the model's cache follows the tokens committed in the lookup
+    rounds it skipped (the output is the target-only output, and the model is fed several tokens at once)."""
+    target = make_checkpoint(family="llama")
+    decoder = SpeculativeDecoder.from_pretrained(target, _draft_path(make_checkpoint, "llama", "lookup_first"))
+    drafter = decoder.drafter
+    assert isinstance(drafter, LookupFirstDrafter)
+    calls = {"lookup": 0, "model": 0}
+    widths: list[int] = []
+    lookup_draft, model_propose, forward = drafter.lookup.draft_from, drafter.model.propose, drafter.engine.forward
+    drafter.lookup.draft_from = lambda *a: (calls.__setitem__("lookup", calls["lookup"] + 1), lookup_draft(*a))[1]
+    drafter.model.propose = lambda *a: (calls.__setitem__("model", calls["model"] + 1), model_propose(*a))[1]
+    drafter.engine.forward = lambda ids: (widths.append(ids.shape[1]), forward(ids))[1]
+    params = SamplingParams(max_new_tokens=60, ignore_eos=True)
+    prompt = PROMPTS[3]
+    assert (
+        decoder.generate(prompt, params, num_draft_tokens=4).token_ids
+        == decoder.generate(prompt, params, num_draft_tokens=0).token_ids
+    )
+    assert calls["lookup"] > 0 and calls["model"] > 0, calls
+    assert max(widths) > 2, widths  # a catch-up over the tokens of skipped lookup rounds
+
+
 SCRIPT = (3, 0, 0, 0, 2, 0, 5, 1, 0, 0, 4, 8, 0, 0, 0, 1)  # runs of plain rounds the draft never sees
 
 
@@ -146,7 +172,9 @@ def assert_scripted_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[s
             del engine.forward
     assert len(mixed[0].token_ids) == 1
     assert [o.token_ids for o in mixed[1:]] == [o.token_ids for o in baseline]
-    if engine is not None:
+    if getattr(decoder.drafter, "cache_from", None) is not None:
+        assert set(widths) == {1}, widths  # a self-draft copies the target's cache and feeds the newest token
+    elif engine is not None:
         assert max(widths) > len(decoder.tokenize("a")) + 1, widths  # the padded catch-up ran
 
 

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTr
 from build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
 from build_engines.model import ModelConfig, UnsupportedModelError
 from runtime import cuda_graphs
+from runtime.cpu_linear import TransposedLinear
 from runtime.engine import ContextOverflowError
 from runtime.torch_engine import TorchEngine
 
@@ -239,6 +240,20 @@ def test_attention_spans_are_powers_of_two_up_to_the_context() -> None:
     assert cuda_graphs.MIN_SPAN == 256
     assert [span(n, 4096) for n in (1, 256, 257, 600, 1500, 2049)] == [256, 256, 512, 1024, 2048, 4096]
     assert span(1500, 1536) == 1536 and span(100, 200) == 200
+
+
+def test_a_cpu_engine_runs_every_linear_layer_transposed(family: Family) -> None:
+    """The reference comparisons above run on the CPU, so they check the transposed layout; this checks that
+    no ``nn.Linear`` is left (biases included, where the family has them)."""
+    engine = TorchEngine.from_checkpoint(family.checkpoint)
+    modules = list(engine.model.modules())
+    assert not any(isinstance(m, torch.nn.Linear) for m in modules)
+    transposed = [m for m in modules if isinstance(m, TransposedLinear)]
+    assert len(transposed) == 7 * family.checkpoint.config.num_layers + 1
+    x = torch.randn(3, 5, family.checkpoint.config.hidden_size)
+    up = engine.model.model.layers[0].mlp.up_proj
+    reference = family.reference.model.layers[0].mlp.up_proj
+    torch.testing.assert_close(up(x), reference(x).detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_cuda_graphs_without_a_cuda_device_are_refused(llama: Family) -> None:

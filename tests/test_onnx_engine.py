@@ -51,7 +51,7 @@ from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest
 from specdec_trt.cli import run
 from specdec_trt.decoder import AUTO
-from specdec_trt.drafting import ModelDrafter
+from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter
 from specdec_trt.loading import load_engine_directory, model_spec
 
 ATOL = 1e-4
@@ -190,6 +190,27 @@ def test_adopted_prompt_cache_continues_like_its_source(engine_dirs: dict[str, P
         torch.testing.assert_close(adopter.forward(ids), source.forward(ids), atol=1e-6, rtol=0)
 
 
+def test_adopted_cache_extends_rows_like_their_source(engine_dirs: dict[str, Path]) -> None:
+    """adopt_cache extends each row by the source's keys and values (a ragged batch, one row unchanged): the
+    adopter then computes what the source computes; shrinking a row, or reading past the source, is refused."""
+    source, adopter = target_engine(engine_dirs["llama"]), target_engine(engine_dirs["llama"])
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, source.vocab_size, (3, 9), generator=generator)
+    source.prefill(prompts, torch.tensor([5, 2, 9]))
+    adopter.prefill(prompts, torch.tensor([5, 2, 9]))
+    source.forward(torch.randint(3, source.vocab_size, (3, 4), generator=generator))  # lengths 9, 6, 13
+    adopter.adopt_cache(source, [8, 2, 13])
+    assert adopter.lengths.tolist() == [8, 2, 13]
+    source.truncate(torch.tensor([8, 2, 13]))
+    for width in (VERIFY_WIDTH, 1):
+        ids = torch.randint(3, source.vocab_size, (3, width), generator=generator)
+        torch.testing.assert_close(adopter.forward(ids), source.forward(ids), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="only extends"):
+        adopter.adopt_cache(source, [8, 2, 13])
+    with pytest.raises(ValueError, match="only extends"):
+        adopter.adopt_cache(source, [30, 30, 30])
+
+
 def test_adopt_prompt_cache_refuses_another_layout_or_an_empty_source(engine_dirs: dict[str, Path]) -> None:
     directory = engine_dirs["llama"]
     source = target_engine(directory)
@@ -270,7 +291,7 @@ def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str
 
 def test_int4_self_draft_is_greedy_lossless(engine_dirs: dict[str, Path]) -> None:
     decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"])
-    assert decoder.drafter.prompt_cache_from is decoder.target  # no draft prefill: the target's prompt cache
+    assert decoder.drafter.cache_from is decoder.target  # no draft prefill: the target's prompt cache
     baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
     for gamma in range(1, MAX_DRAFT_LEN + 1):
         batched = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=gamma)
@@ -281,6 +302,24 @@ def test_int4_self_draft_is_greedy_lossless(engine_dirs: dict[str, Path]) -> Non
         accepted = sum(o.stats.accepted_tokens for o in batched)
         assert drafted > 0 and 0 < accepted <= drafted, f"gamma={gamma}: the int4 draft should often agree"
         assert all(0 <= o.stats.acceptance_rate <= 1 for o in batched)
+
+
+def test_lookup_first_int4_self_draft_is_greedy_lossless(engine_dirs: dict[str, Path]) -> None:
+    """Prompt lookup, then the int4 self-draft (started from the target's prompt cache) where it finds
+    nothing: the target-only output for every draft length."""
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"], "ngram+engine")
+    assert isinstance(decoder.drafter, LookupFirstDrafter)
+    assert decoder.drafter.model.cache_from is decoder.target
+    assert assert_greedy_lossless(decoder, "lookup_first", PROMPTS, GREEDY, MAX_DRAFT_LEN) > 0
+
+
+@pytest.mark.parametrize(
+    ("draft", "message"),
+    [("ngram+int4", r"must be 'ngram\+engine'"), ("ngram+none", "name the model"), ("ngram+", "name the model")],
+)
+def test_lookup_first_names_a_model_draft(draft: str, message: str, engine_dirs: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match=message):
+        SpeculativeDecoder.from_engines(engine_dirs["int4"], draft)
 
 
 def test_int4_draft_graph_is_block_quantized(engine_dirs: dict[str, Path]) -> None:
@@ -360,7 +399,7 @@ def lossless(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, torch.nn
 def lossless_int4(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, torch.nn.Module]:
     """The int4 self-draft, which starts every request from the target's prompt cache."""
     decoder, reference = lossless_pair(engine_dirs["lossless_int4"])
-    assert decoder.drafter.prompt_cache_from is decoder.target
+    assert decoder.drafter.cache_from is decoder.target
     return decoder, reference
 
 

@@ -3,7 +3,8 @@
 Two backends, as in specdec-run: an engine directory on ONNX Runtime, or checkpoints on the PyTorch
 engine (any torch device, which is how the benchmark runs on CUDA). A draft is named by the user:
 "ngram" (prompt lookup), "int4" / "engine" (an engine directory's own draft), another engine directory
-(its target serves as the draft) or, on PyTorch, a draft checkpoint. transformers' peers run on the
+(its target serves as the draft) or, on PyTorch, a draft checkpoint; "ngram+" before a model draft puts it
+behind prompt lookup (``LookupFirstDrafter``). transformers' peers run on the
 checkpoint the target was built from; a draft checkpoint becomes assisted generation's ``assistant_model``.
 """
 
@@ -23,10 +24,13 @@ from specdec_trt.bench.methods import NGRAM, OursRunner, TransformersRunner
 from specdec_trt.drafting import Drafter, ModelDrafter, PromptLookupDrafter
 from specdec_trt.loading import (
     DRAFT_FROM_ENGINES,
+    LOOKUP_FIRST,
     VocabularyMismatchError,
     check_same_vocabulary,
     load_engine_directory,
+    lookup_first,
     model_spec,
+    split_lookup_first,
     usable_device,
 )
 
@@ -49,7 +53,8 @@ class Backend:
 
 def open_engines(directory: Path, drafts: list[str], provider: str, threads: int | None) -> Backend:
     """Our side from an engine directory on ONNX Runtime."""
-    own = [d for d in drafts if d in (DRAFT_INT4, DRAFT_FROM_ENGINES)]
+    models = [split_lookup_first(d)[1] for d in drafts]
+    own = [d for d in models if d in (DRAFT_INT4, DRAFT_FROM_ENGINES)]
     manifest, tokenizer, target, own_drafter = load_engine_directory(
         directory, DRAFT_FROM_ENGINES if own else None, provider, threads
     )
@@ -59,24 +64,29 @@ def open_engines(directory: Path, drafts: list[str], provider: str, threads: int
         raise ValueError(f"{directory}'s draft is a {manifest.draft_kind} draft, not int4: use --draft engine")
     drafters: dict[str, Drafter] = {}
     draft_checkpoints: dict[str, Path] = {}
+    others: dict[str, ModelDrafter] = {}  # engine directories serving as drafts, each opened once
     for draft in drafts:
-        if draft in own:  # labelled by what it is: "int4" for the quantized self-draft
+        lookup, model = split_lookup_first(draft)
+        if model in own:  # labelled by what it is: "int4" for the quantized self-draft
             label = DRAFT_INT4 if manifest.draft_kind == DRAFT_INT4 else DRAFT_FROM_ENGINES
-            _add(drafters, label, own_drafter)
+            drafter = own_drafter
             if manifest.draft_kind != DRAFT_INT4:
                 draft_checkpoints[label] = Path(manifest.draft.source)
-        elif draft == NGRAM:
-            _add(drafters, NGRAM, PromptLookupDrafter())
+        elif model == NGRAM:
+            label, drafter = NGRAM, PromptLookupDrafter()
         else:
-            other = read_manifest(draft)
-            other_tokenizer = load_tokenizer(Path(draft) / "tokenizer")
-            if other.target.vocab_size != manifest.target.vocab_size or (
-                other_tokenizer is not None and other_tokenizer.get_vocab() != tokenizer.get_vocab()
-            ):
-                raise VocabularyMismatchError(f"the engines in {draft} do not share {directory}'s vocabulary")
-            engine = OrtEngine(model_spec(Path(draft), other.target), provider, threads)
-            _add(drafters, Path(draft).name, ModelDrafter(engine))
-            draft_checkpoints[Path(draft).name] = Path(other.target.source)
+            label = Path(model).name
+            if label not in others:
+                other = read_manifest(model)
+                other_tokenizer = load_tokenizer(Path(model) / "tokenizer")
+                if other.target.vocab_size != manifest.target.vocab_size or (
+                    other_tokenizer is not None and other_tokenizer.get_vocab() != tokenizer.get_vocab()
+                ):
+                    raise VocabularyMismatchError(f"the engines in {model} do not share {directory}'s vocabulary")
+                others[label] = ModelDrafter(OrtEngine(model_spec(Path(model), other.target), provider, threads))
+                draft_checkpoints[label] = Path(other.target.source)
+            drafter = others[label]
+        _add(drafters, LOOKUP_FIRST + label if lookup else label, lookup_first(drafter) if lookup else drafter)
     return Backend(
         ours=OursRunner(target, drafters, tokenizer, manifest.target.eos_token_ids, torch_threads=1),
         drafts=list(drafters),
@@ -102,20 +112,26 @@ def open_checkpoints(
     """Our side from checkpoints on the PyTorch engine (``cuda_graphs``, ``compiled``: see ``TorchEngine``)."""
     torch_device = usable_device(device)
     header = read_header(target)
-    models = [d for d in drafts if d != NGRAM]
+    models = list(dict.fromkeys(m for m in (split_lookup_first(d)[1] for d in drafts) if m != NGRAM))
     for draft in models:  # refuse a mismatched draft before reading any weights
         check_same_vocabulary(header, read_header(draft))
     checkpoint = load_checkpoint(target, dtype)
     engine = TorchEngine.from_checkpoint(checkpoint, max_context, torch_device, cuda_graphs, compiled)
+    model_drafters: dict[str, ModelDrafter] = {}  # each draft checkpoint loaded once
+    for draft in models:
+        draft_checkpoint = load_checkpoint(draft, dtype)
+        context = min(engine.max_context, draft_checkpoint.config.max_context)
+        draft_engine = TorchEngine.from_checkpoint(draft_checkpoint, context, torch_device, cuda_graphs, compiled)
+        model_drafters[draft] = ModelDrafter(draft_engine)
     drafters: dict[str, Drafter] = {}
     for draft in drafts:
-        if draft == NGRAM:
+        lookup, model = split_lookup_first(draft)
+        if model == NGRAM:
             _add(drafters, NGRAM, PromptLookupDrafter(device=torch_device))
+        elif lookup:
+            _add(drafters, LOOKUP_FIRST + Path(model).name, lookup_first(model_drafters[model]))
         else:
-            draft_checkpoint = load_checkpoint(draft, dtype)
-            context = min(engine.max_context, draft_checkpoint.config.max_context)
-            draft_engine = TorchEngine.from_checkpoint(draft_checkpoint, context, torch_device, cuda_graphs, compiled)
-            _add(drafters, Path(draft).name, ModelDrafter(draft_engine))
+            _add(drafters, Path(model).name, model_drafters[model])
     eos = list(checkpoint.config.eos_token_ids)
     return Backend(
         ours=OursRunner(engine, drafters, checkpoint.tokenizer, eos, torch_threads=threads),

@@ -82,7 +82,8 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     "drafts",
     multiple=True,
     help="A draft to measure (repeatable): 'ngram' (prompt lookup); with engines 'int4' or 'engine' (the "
-    "directory's own draft) or another engine directory; with --target a draft checkpoint. "
+    "directory's own draft) or another engine directory; with --target a draft checkpoint; 'ngram+' before "
+    "a model draft ('ngram+int4') drafts by prompt lookup where it matches and with that model elsewhere. "
     "[default: the engines' own draft and ngram; with --target, ngram]",
 )
 @click.option(
