@@ -9,8 +9,9 @@ token, and rolls both caches back by moving their length pointers.
 ``num_draft_tokens="auto"`` (``AUTO``) decides every round from the acceptance and the costs measured so
 far (``specdec_trt.schedule``) whether to draft, and a model draft then drafts until one more token is
 expected to add less than it costs, judged from its own confidence as calibrated on earlier rounds (or,
-with ``draft_confidence_threshold``, until its confidence falls below that). A fixed integer drafts exactly
-that many tokens per round.
+with ``draft_confidence_threshold``, until its confidence falls below that). A drafter with two parts (prompt
+lookup first, a model where it finds nothing) gets one such controller per part, as their acceptance and
+costs differ. A fixed integer drafts exactly that many tokens per round.
 """
 
 from __future__ import annotations
@@ -314,13 +315,19 @@ class SpeculativeDecoder:
             self.drafter.begin(prompts, lengths)
         draft_prefill_s = time.perf_counter() - tick
         draft_s = verify_s = 0.0
-        schedule = DraftLengthController(self.max_auto_draft, len(requests)) if gamma == AUTO else None
+        schedules: dict[str, DraftLengthController] = {}  # with auto: one per part of the drafter
         while not all(r.finished for r in requests):
             # Finished rows stay in the batch, frozen: they re-run the same positions and are ignored.
             active = [not r.finished for r in requests]
             usable = max(r.remaining for r in requests if not r.finished) - 1
-            num_drafts = schedule.choose(active, usable) if schedule else min(gamma, usable)
             sequences = [r.sequence for r in requests]
+            schedule = None
+            if gamma == AUTO:
+                part = self.drafter.part(sequences)
+                if part not in schedules:
+                    schedules[part] = DraftLengthController(self.max_auto_draft, len(requests))
+                schedule = schedules[part]
+            num_drafts = schedule.choose(active, usable) if schedule else min(gamma, usable)
             tick = time.perf_counter()
             draft = self._draft(sequences, num_drafts, sampler, self._stop_rule(schedule, active))
             tock = time.perf_counter()

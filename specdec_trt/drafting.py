@@ -26,6 +26,7 @@ from runtime.engine import Engine
 from runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
 
+MODEL, LOOKUP = "model", "lookup"  # the parts a drafter reports (``Drafter.part``)
 StopRule = Callable[[torch.Tensor], bool]
 """Asked after each drafted token with the draft's probability of it per row [B]: True ends the round there."""
 
@@ -56,6 +57,10 @@ class Drafter(Protocol):
 
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Start a batch from right-padded prompts [B, T] with real lengths [B]."""
+
+    def part(self, sequences: Sequence[Sequence[int]]) -> str:
+        """Which of the drafter's parts would draft the next round after ``sequences`` (a drafter combining
+        two kinds of draft, with their own acceptance and cost, gets one "auto" controller per part)."""
 
     def propose(
         self,
@@ -101,6 +106,9 @@ class ModelDrafter:
             self.engine.prefill(prompt_ids, lengths)
         self._cached = lengths.tolist()
         self._fed = HostCopy(torch.zeros(len(lengths), 0, dtype=torch.int64))
+
+    def part(self, sequences: Sequence[Sequence[int]]) -> str:
+        return MODEL
 
     def propose(
         self,
@@ -179,6 +187,9 @@ class PromptLookupDrafter:
     def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
         """Prompt lookup keeps no state between rounds."""
 
+    def part(self, sequences: Sequence[Sequence[int]]) -> str:
+        return LOOKUP
+
     def propose(
         self,
         sequences: Sequence[Sequence[int]],
@@ -237,6 +248,9 @@ class LookupFirstDrafter:
         """Start the model's batch (prompt lookup keeps no state)."""
         self.model.begin(prompt_ids, lengths)
 
+    def part(self, sequences: Sequence[Sequence[int]]) -> str:
+        return LOOKUP if all(len(p) for p in self._lookups(sequences, 1)) else MODEL
+
     def propose(
         self,
         sequences: Sequence[Sequence[int]],
@@ -244,7 +258,10 @@ class LookupFirstDrafter:
         sampler: BatchSampler,
         stop_rule: StopRule | None = None,
     ) -> Draft:
-        proposals = [self.lookup.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
+        proposals = self._lookups(sequences, num_tokens)
         if all(len(p) for p in proposals):
             return self.lookup.draft_from(proposals, sequences)
         return self.model.propose(sequences, num_tokens, sampler, stop_rule)
+
+    def _lookups(self, sequences: Sequence[Sequence[int]], num_tokens: int) -> list[np.ndarray]:
+        return [self.lookup.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
