@@ -19,8 +19,8 @@ from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, Gen
 from specdec_trt.sampling import SamplingParams
 
 # What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
-# text repeats itself, the engines' draft elsewhere (README, "Measured": the fastest or close to it on every
-# suite, where either part alone falls well behind on some).
+# text repeats itself, the engines' draft elsewhere (README, "Measured": faster than the draft alone on every
+# suite; against prompt lookup alone, even on code, 24% faster on chat, 10% slower on summaries and long prompts).
 ENGINES_DEFAULT_DRAFT = "ngram+engine"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
