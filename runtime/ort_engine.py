@@ -144,7 +144,9 @@ class OrtEngine:
             )
         check_room(torch.from_numpy(stops), 0, self.max_context)
         for row, (start, stop) in enumerate(zip(self._lengths.tolist(), stops.tolist())):
-            for name, cache in self._caches.items() if start < stop else ():
+            if start == stop:
+                continue
+            for name, cache in self._caches.items():
                 cache[row, :, start:stop] = source._caches[name][row, :, start:stop]
         self._lengths = stops.copy()
 

@@ -198,8 +198,11 @@ class PromptLookupDrafter:
         stop_rule: StopRule | None = None,
     ) -> Draft:
         """Prompt lookup has no distribution of its own: ``stop_rule`` is ignored."""
-        proposals = [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
-        return self.draft_from(proposals, sequences)
+        return self.draft_from(self.lookups(sequences, num_tokens), sequences)
+
+    def lookups(self, sequences: Sequence[Sequence[int]], num_tokens: int) -> list[np.ndarray]:
+        """Each row's looked-up tokens (``lookup``), empty where it finds no match."""
+        return [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
 
     def draft_from(self, proposals: Sequence[np.ndarray], sequences: Sequence[Sequence[int]]) -> Draft:
         """The batch's draft from each row's looked-up tokens."""
@@ -249,7 +252,7 @@ class LookupFirstDrafter:
         self.model.begin(prompt_ids, lengths)
 
     def part(self, sequences: Sequence[Sequence[int]]) -> str:
-        return LOOKUP if all(len(p) for p in self._lookups(sequences, 1)) else MODEL
+        return LOOKUP if all(len(p) for p in self.lookup.lookups(sequences, 1)) else MODEL
 
     def propose(
         self,
@@ -258,10 +261,7 @@ class LookupFirstDrafter:
         sampler: BatchSampler,
         stop_rule: StopRule | None = None,
     ) -> Draft:
-        proposals = self._lookups(sequences, num_tokens)
+        proposals = self.lookup.lookups(sequences, num_tokens)
         if all(len(p) for p in proposals):
             return self.lookup.draft_from(proposals, sequences)
         return self.model.propose(sequences, num_tokens, sampler, stop_rule)
-
-    def _lookups(self, sequences: Sequence[Sequence[int]], num_tokens: int) -> list[np.ndarray]:
-        return [self.lookup.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
