@@ -27,6 +27,17 @@ from transformers import (
     Qwen3Config,
 )
 
+from runtime.ort_engine import size_thread_pool
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (the README runs ``-n 2``) each worker process has one core of its own: torch and
+    ONNX Runtime get one intra-op thread each, so the workers' thread pools never fight over the cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
+        size_thread_pool(1)
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?\n")

