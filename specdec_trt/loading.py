@@ -29,11 +29,6 @@ def split_lookup_first(draft: str | Path | None) -> tuple[bool, str | Path | Non
     return False, draft
 
 
-def lookup_first(drafter: ModelDrafter) -> LookupFirstDrafter:
-    """Prompt lookup first, ``drafter`` where it finds nothing (see ``LookupFirstDrafter``)."""
-    return LookupFirstDrafter(PromptLookupDrafter(device=drafter.engine.device), drafter)
-
-
 class VocabularyMismatchError(ValueError):
     """Target and draft do not share one vocabulary, so draft token ids would mean other tokens."""
 
@@ -90,7 +85,7 @@ def load_engines(
     if draft_ck is not None:
         draft_context = min(target_engine.max_context, draft_ck.config.max_context)
         drafter = ModelDrafter(TorchEngine.from_checkpoint(draft_ck, draft_context, device, cuda_graphs, compiled))
-        drafter = lookup_first(drafter) if lookup else drafter
+        drafter = LookupFirstDrafter(drafter) if lookup else drafter
     return target_ck, target_engine, drafter
 
 
@@ -133,7 +128,7 @@ def load_engine_directory(
         # on SmolLM2: 3 ms instead of a 700 ms int4 prefill of 380 tokens, with acceptance as high or higher),
         # and copies the keys and values of later tokens from the target too, feeding only the newest one.
         drafter = ModelDrafter(draft_engine, cache_from=target if manifest.draft_kind == "int4" else None)
-        drafter = lookup_first(drafter) if lookup else drafter
+        drafter = LookupFirstDrafter(drafter) if lookup else drafter
     elif lookup:
         raise ValueError(f"{directory} was built without a draft: 'ngram+engine' needs one (or use 'ngram')")
     elif draft not in (None, DRAFT_FROM_ENGINES, *DRAFT_NONE):

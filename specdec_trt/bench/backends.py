@@ -21,14 +21,13 @@ from build_engines.manifest import read_manifest
 from runtime.ort_engine import OrtEngine
 from runtime.torch_engine import TorchEngine
 from specdec_trt.bench.methods import NGRAM, OursRunner, TransformersRunner
-from specdec_trt.drafting import Drafter, ModelDrafter, PromptLookupDrafter
+from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
 from specdec_trt.loading import (
     DRAFT_FROM_ENGINES,
     LOOKUP_FIRST,
     VocabularyMismatchError,
     check_same_vocabulary,
     load_engine_directory,
-    lookup_first,
     model_spec,
     split_lookup_first,
     usable_device,
@@ -86,7 +85,7 @@ def open_engines(directory: Path, drafts: list[str], provider: str, threads: int
                 others[label] = ModelDrafter(OrtEngine(model_spec(Path(model), other.target), provider, threads))
                 draft_checkpoints[label] = Path(other.target.source)
             drafter = others[label]
-        _add(drafters, LOOKUP_FIRST + label if lookup else label, lookup_first(drafter) if lookup else drafter)
+        _add(drafters, LOOKUP_FIRST + label if lookup else label, LookupFirstDrafter(drafter) if lookup else drafter)
     return Backend(
         ours=OursRunner(target, drafters, tokenizer, manifest.target.eos_token_ids, torch_threads=1),
         drafts=list(drafters),
@@ -129,7 +128,7 @@ def open_checkpoints(
         if model == NGRAM:
             _add(drafters, NGRAM, PromptLookupDrafter(device=torch_device))
         elif lookup:
-            _add(drafters, LOOKUP_FIRST + Path(model).name, lookup_first(model_drafters[model]))
+            _add(drafters, LOOKUP_FIRST + Path(model).name, LookupFirstDrafter(model_drafters[model]))
         else:
             _add(drafters, Path(model).name, model_drafters[model])
     eos = list(checkpoint.config.eos_token_ids)
