@@ -19,8 +19,8 @@ from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, Gen
 from specdec_trt.sampling import SamplingParams
 
 # What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
-# text repeats itself, the engines' draft elsewhere (README, "Measured": faster than the draft alone on every
-# suite; against prompt lookup alone, even on code, 24% faster on chat, 10% slower on summaries and long prompts).
+# text repeats itself, the engines' draft elsewhere (README, "Measured": against the draft alone, faster on three
+# suites, equal on chat; against prompt lookup alone, faster on chat and summaries, slower on code and long prompts).
 ENGINES_DEFAULT_DRAFT = "ngram+engine"
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
