@@ -4,7 +4,8 @@ Greedy output does not depend on the drafter, so one plain greedy continuation p
 as specdec-bench does) fixes every round a drafter would see: a round proposes up to k tokens after the
 committed text, keeps the prefix that equals the recorded continuation, and commits one token more. This
 prints, per suite and lookup setting, the acceptance of a round's first drafted token by the length of the
-suffix it matched, and the tokens per round (tau) at k=4; and writes them as JSON.
+longest suffix of the committed text that occurred before, and the tokens per round (tau) at k=4; and writes
+them as JSON.
 
     .venv/bin/python scripts/replay_prompt_lookup.py --out results/lookup_replay.json
     .venv/bin/python scripts/replay_prompt_lookup.py --recorded greedy.json   # replay an earlier recording
