@@ -19,11 +19,11 @@ from pathlib import Path
 
 import click
 import numpy as np
+from rich.console import Console
 
-from build_engines.manifest import MANIFEST_NAME
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.suites import SUITES, load_suite
-from specdec_trt.build import PRESETS, BuildRequest, build, default_engine_dir
+from specdec_trt.cli import default_engines
 from specdec_trt.drafting import PromptLookupDrafter
 
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}
@@ -102,10 +102,7 @@ def main(engines: Path | None, recorded: Path | None, new_tokens: int, record_to
     if recorded is not None:
         recording = {s: rows for s, rows in json.loads(recorded.read_text()).items() if s in SUITES}
     else:
-        directory = engines or default_engine_dir()
-        if not (directory / MANIFEST_NAME).is_file():
-            build(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]))
-        recording = record(directory, record_tokens)
+        recording = record(engines or default_engines(Console(stderr=True)), record_tokens)
     results = summarise(recording, new_tokens)
     for suite, settings in results.items():
         for name, figures in settings.items():
