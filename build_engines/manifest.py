@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the graphs take query_seqlens (a batched multi-token pass)
 MANIFEST_NAME = "manifest.json"
 _REBUILD = "rebuild the engines with specdec-build"
 
@@ -85,6 +85,15 @@ def write_manifest(
     manifest = Manifest(target, draft, draft_kind, versions, files)
     (directory / MANIFEST_NAME).write_text(manifest.to_json())
     return manifest
+
+
+def schema_version_of(directory: Path) -> int | None:
+    """The schema version ``directory``'s manifest declares, or None when it has no readable manifest."""
+    try:
+        body = json.loads((Path(directory) / MANIFEST_NAME).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return body.get("schema_version") if isinstance(body, dict) else None
 
 
 def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:

@@ -5,10 +5,13 @@ The graph is written node by node from the model's weights, using ONNX Runtime's
 embedding + attention + KV cache write). The KV cache of every layer is a graph input and output in BNSH
 layout with ``max_context`` positions; the runtime binds the same buffer as both (GQA's shared
 past/present buffer), so a step writes only the new tokens' keys and values and never copies the cache.
-Per-row cache lengths come in as ``seqlens_k``: rolling back a rejected draft is a smaller number.
+Per-row cache lengths come in as ``seqlens_k``: rolling back a rejected draft is a smaller number. Each row's
+count of new tokens comes in as ``query_seqlens``, which lets GroupQueryAttention take several new tokens
+for every row of a batch in one pass (a batched verify), and a right-padded batch of prompts as a prefill.
 
 Inputs:  input_ids [B, T] int64, logits_index [B, K] int64 (positions whose logits to return),
-         seqlens_k [B] int32 (cached + new tokens - 1), total_sequence_length [] int32,
+         seqlens_k [B] int32 (cached + new tokens - 1), total_sequence_length [] int32 (an upper bound of
+         cached + new tokens), query_seqlens [B] int32 (new tokens: T, or a prompt's real length),
          past_key.{i} / past_value.{i} [B, H_kv, max_context, D]
 Outputs: logits [B, K, V] float32, present_key.{i} / present_value.{i} (the same buffers)
 """
@@ -40,10 +43,12 @@ class ExportError(ValueError):
     """The model cannot be exported with the requested settings."""
 
 
+STEP_INPUTS = ("input_ids", "logits_index", "seqlens_k", "total_sequence_length", "query_seqlens")
+
+
 def input_names(num_layers: int) -> list[str]:
-    """Graph input names in order."""
-    caches = [f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]
-    return ["input_ids", "logits_index", "seqlens_k", "total_sequence_length", *caches]
+    """Graph input names in order: the step's inputs, then every layer's key and value cache."""
+    return [*STEP_INPUTS, *[f"past_{kind}.{i}" for i in range(num_layers) for kind in ("key", "value")]]
 
 
 def output_names(num_layers: int) -> list[str]:
@@ -121,11 +126,12 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
         helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["batch", "logit_positions"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
+        helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["batch"]),
     ]
     outputs = [
         helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "logit_positions", config.vocab_size])
     ]
-    for name in input_names(config.num_layers)[4:]:
+    for name in input_names(config.num_layers)[len(STEP_INPUTS) :]:
         inputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
     for name in output_names(config.num_layers)[1:]:
         outputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
@@ -207,6 +213,8 @@ def _attention(graph: _Graph, x: str, weights: dict, prefix: str, layer: int, co
             "total_sequence_length",
             "rope_cos",
             "rope_sin",
+            *[""] * 7,  # position_ids .. k_norm_weight: none
+            "query_seqlens",
         ],
         [f"attention_{layer}", f"present_key.{layer}", f"present_value.{layer}"],
         domain="com.microsoft",

@@ -2,9 +2,8 @@
 
 Each layer's key and value cache is one preallocated buffer bound as both the graph's past input and its
 present output, so GroupQueryAttention writes only the new tokens in place. Truncation only changes the
-per-row lengths that become ``seqlens_k``. ONNX Runtime's CPU GroupQueryAttention takes several new
-tokens on top of a cache for one row at a time, so a multi-row verify pass runs either one batched pass
-per new token or one pass per row (over views of the same buffers), whichever is fewer passes.
+per-row lengths that become ``seqlens_k``. Every row's count of new tokens goes in as ``query_seqlens``,
+so any batch takes any number of new tokens per row in one pass: a batched verify reads the weights once.
 
 The caches are bound once per batch (one IOBinding kept with the buffers); a step binds only its four small
 inputs and a fresh logits array, so the Python work around a run stays small beside the run itself.
@@ -119,8 +118,8 @@ class OrtEngine:
         check_prompt_lengths(lengths, batch, width)
         self._allocate(batch)
         real = lengths.numpy().astype(np.int64)
-        # An empty past: total length == new tokens, so GroupQueryAttention treats this as a first prompt.
-        logits = self._run(token_ids.numpy(), (real - 1)[:, None], real - 1, width, self._binding)
+        # An empty past: each row's new tokens are its real prompt; the padding after them is not cached.
+        logits = self._run(token_ids.numpy(), (real - 1)[:, None], real - 1, real)
         self._lengths = real.copy()
         return torch.from_numpy(logits[:, 0])
 
@@ -171,16 +170,8 @@ class OrtEngine:
         check_room(torch.from_numpy(self._lengths), token_ids.shape[1], self.max_context)
         ids = token_ids.cpu().numpy().astype(np.int64)
         batch, new = ids.shape
-        if batch == 1 or new == 1:
-            logits = self._step(ids, self._lengths, self._binding)
-        elif new <= batch:  # one batched pass per new token: exact (causal), and reads the weights `new` times
-            logits = np.concatenate(
-                [self._step(ids[:, i : i + 1], self._lengths + i, self._binding) for i in range(new)], 1
-            )
-        else:  # one pass per row, over views of its cache rows
-            logits = np.concatenate(
-                [self._step(ids[b : b + 1], self._lengths[b : b + 1], self._row_binding(b)) for b in range(batch)]
-            )
+        positions = np.broadcast_to(np.arange(new, dtype=np.int64), (batch, new))
+        logits = self._run(ids, positions, self._lengths + new - 1, np.full(batch, new))
         self._lengths = self._lengths + new
         return torch.from_numpy(logits)
 
@@ -199,8 +190,8 @@ class OrtEngine:
             self._binding = self._bind_caches(self._caches)
 
     def _bind_caches(self, caches: dict[str, np.ndarray]) -> ort.IOBinding:
-        """A binding with every cache (a buffer of ``_caches`` or a view of one: ``_caches`` owns the memory)
-        as both its past input and its present output: written in place by the graph, never copied."""
+        """A binding with every cache as both its past input and its present output: written in place by the
+        graph, never copied."""
         binding = self.session.io_binding()
         for name, array in caches.items():
             value = ort.OrtValue.ortvalue_from_numpy(array)
@@ -208,29 +199,20 @@ class OrtEngine:
             binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
         return binding
 
-    def _step(self, ids: np.ndarray, cached: np.ndarray, binding: ort.IOBinding) -> np.ndarray:
-        """Logits of every new token in ``ids`` [B, T] placed after ``cached`` [B] tokens."""
-        batch, new = ids.shape
-        positions = np.broadcast_to(np.arange(new, dtype=np.int64), (batch, new))
-        return self._run(ids, positions, cached + new - 1, int(cached.max()) + new, binding)
-
-    def _row_binding(self, row: int) -> ort.IOBinding:
-        """Caches bound for row ``row`` alone: its slice of every buffer, wrapped without copying."""
-        return self._bind_caches({name: cache[row : row + 1] for name, cache in self._caches.items()})
-
-    def _run(
-        self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray, total: int, binding: ort.IOBinding
-    ) -> np.ndarray:
-        """One run over ``binding``'s caches; the logits land in a fresh array (callers may keep them)."""
+    def _run(self, ids: np.ndarray, positions: np.ndarray, seqlens: np.ndarray, new: np.ndarray) -> np.ndarray:
+        """One run over the bound caches: ``new[b]`` tokens of row ``b`` of ``ids`` [B, T] enter its cache, which
+        then holds ``seqlens[b] + 1``; the logits at ``positions`` [B, K] land in a fresh array (callers may
+        keep them)."""
         inputs = {
             "input_ids": np.ascontiguousarray(ids),
             "logits_index": np.ascontiguousarray(positions),
             "seqlens_k": seqlens.astype(np.int32),
-            "total_sequence_length": np.array(total, dtype=np.int32),
+            "total_sequence_length": np.array(seqlens.max() + 1, dtype=np.int32),
+            "query_seqlens": new.astype(np.int32),
         }
         for name, array in inputs.items():  # bound by address: the arrays live until the run returns
-            binding.bind_cpu_input(name, array)
+            self._binding.bind_cpu_input(name, array)
         logits = np.empty((*positions.shape, self.vocab_size), dtype=np.float32)
-        binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
-        self.session.run_with_iobinding(binding)
+        self._binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
+        self.session.run_with_iobinding(self._binding)
         return logits

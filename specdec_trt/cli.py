@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from build_engines.manifest import MANIFEST_NAME, read_manifest
+from build_engines.manifest import SCHEMA_VERSION, read_manifest, schema_version_of
 from runtime.ort_engine import PROVIDERS
 from specdec_trt.build import PRESETS, QUANTIZATIONS, STAGES, BuildRequest, build, default_engine_dir
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, GenerationOutput, SpeculativeDecoder
@@ -328,10 +328,13 @@ def check_backend_options(engines: Path | None, target: Path | None, options: di
 
 
 def default_engines(err: Console) -> Path:
-    """The default engines, built into the cache directory on first use."""
+    """The default engines, built into the cache directory on first use, and again when the cached ones were
+    built by a specdec-trt whose engine layout differs (another schema version)."""
     directory = default_engine_dir()
-    if not (directory / MANIFEST_NAME).is_file():
-        err.print(f"Building the default engines into {directory} (first use only)…")
+    version = schema_version_of(directory)
+    if version != SCHEMA_VERSION:
+        why = "first use only" if version is None else f"the cached ones have schema version {version}"
+        err.print(f"Building the default engines into {directory} ({why})…")
         _build_with_progress(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]), err)
     return directory
 

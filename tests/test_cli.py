@@ -11,8 +11,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 from conftest import TEXT_VOCAB_SIZE
+from rich.console import Console
 
+from build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt import cli as cli_module
 from specdec_trt.cli import run
 
 
@@ -129,6 +132,28 @@ def test_mismatched_draft_vocabulary(target, make_checkpoint) -> None:
 def test_missing_target_path() -> None:
     result = invoke("--target", "no/such/model", "x")
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+@pytest.mark.parametrize(
+    ("cached_version", "rebuilt"), [(None, True), (SCHEMA_VERSION - 1, True), (SCHEMA_VERSION, False)]
+)
+def test_default_engines_are_built_when_missing_or_stale(tmp_path, monkeypatch, cached_version, rebuilt) -> None:
+    """The cached default engines are (re)built when absent or of another schema version, else reused. The
+    build itself is replaced by a recorder here; test_default_model_answers runs the real one."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    directory = tmp_path / "engines" / "smollm2-135m"
+    if cached_version is not None:
+        directory.mkdir(parents=True)
+        (directory / MANIFEST_NAME).write_text(json.dumps({"schema_version": cached_version}))
+    builds = []
+    monkeypatch.setattr(cli_module, "_build_with_progress", lambda request, err: builds.append(request))
+    console = Console(record=True, width=200)
+    assert cli_module.default_engines(console) == directory
+    assert [(b.out, b.force) for b in builds] == ([(directory, True)] if rebuilt else [])
+    message = console.export_text()
+    assert ("Building the default engines" in message) == rebuilt
+    if cached_version is not None and rebuilt:
+        assert f"schema version {cached_version}" in message
 
 
 @pytest.mark.slow
