@@ -23,13 +23,15 @@ from pathlib import Path
 
 import click
 import torch
+from rich.console import Console
 
 from build_engines.checkpoint import default_model_path, load_transformers_model
-from build_engines.manifest import MANIFEST_NAME, read_manifest
+from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
-from specdec_trt.build import PRESETS, BuildRequest, build, default_engine_dir
+from specdec_trt.bench.timing import step_seconds
+from specdec_trt.cli import default_engines
 from specdec_trt.stats import ideal_speedup
 
 PASSAGE = (
@@ -41,10 +43,6 @@ QUESTIONS = {
     "extract": "List every place and every kind of person the passage mentions, one per line.",
     "chat": "Give three tips for staying focused while studying.",
 }
-
-
-def median_ms(samples: list[float]) -> float:
-    return 1e3 * statistics.median(samples)
 
 
 def machine_read_bandwidth(cores: int, gigabytes: float = 1.0) -> float:
@@ -65,17 +63,6 @@ def _timed(function) -> float:
     return time.perf_counter() - start
 
 
-def step_times(engine, context: int, new_tokens: int, repeats: int = 20) -> float:
-    """Median seconds of one forward of ``new_tokens`` tokens after ``context`` cached tokens."""
-    engine.prefill(torch.randint(0, engine.vocab_size, (1, context)), torch.tensor([context]))
-    samples = []
-    for _ in range(repeats):
-        tokens = torch.randint(0, engine.vocab_size, (1, new_tokens))
-        samples.append(_timed(lambda tokens=tokens: engine.forward(tokens)))
-        engine.truncate(context)
-    return statistics.median(samples)
-
-
 def weight_bytes_per_token(directory: Path) -> int:
     """Bytes of target weights one decode step reads: every weight except the embedding table (one row)."""
     manifest = read_manifest(directory, verify_files=False)
@@ -85,16 +72,18 @@ def weight_bytes_per_token(directory: Path) -> int:
 
 
 @click.command()
-@click.option("--engines", type=click.Path(path_type=Path), help="Engine directory (default: the default engines).")
+@click.option(
+    "--engines",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    help="Engine directory (default: the default engines, built on first use).",
+)
 @click.option("--max-new-tokens", "-n", type=int, default=128)
 @click.option("--repeats", type=int, default=3)
 @click.option("--gammas", default="2,3,4,5", help="Draft lengths to measure.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench_engines.json"))
 def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, out: Path) -> None:
     """Run the engines benchmark and print its tables."""
-    directory = engines or default_engine_dir()
-    if not (directory / MANIFEST_NAME).is_file():
-        build(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]))
+    directory = engines or default_engines(Console(stderr=True))
     decoder = SpeculativeDecoder.from_engines(directory)
     cores = os.cpu_count() or 1
     transformers = TransformersRunner(load_transformers_model(default_model_path()), {}, cores, decoder.eos_token_ids)
@@ -122,7 +111,7 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
         row["same_tokens_as_transformers"] = runs["hf"][0][1] == plain[0].token_ids
         # c: one draft step over one target step, on the engines, at the middle of this generation's context.
         middle = len(ids) + max_new_tokens // 2
-        cost_ratio = step_times(decoder.drafter.engine, middle, 1) / step_times(decoder.target, middle, 1)
+        cost_ratio = step_seconds(decoder.drafter.engine, middle, 1) / step_seconds(decoder.target, middle, 1)
         row["cost_ratio"] = cost_ratio
         row["speculative"] = {}
         for gamma in gamma_list:
@@ -146,12 +135,12 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
     # 2 + 3: engine-level step costs.
     target = decoder.target
     results["steps_ms"] = {
-        f"context={context},new={new}": 1e3 * step_times(target, context, new)
+        f"context={context},new={new}": 1e3 * step_seconds(target, context, new)
         for context in (100, 1500)
         for new in (1, 5, 6)
     }
     results["draft_steps_ms"] = {
-        f"context={context},new=1": 1e3 * step_times(decoder.drafter.engine, context, 1) for context in (100, 1500)
+        f"context={context},new=1": 1e3 * step_seconds(decoder.drafter.engine, context, 1) for context in (100, 1500)
     }
     long_prompt = decoder.apply_chat_template(PASSAGE * 24 + "\n\nSummarise the passage.")
     short_prompt = decoder.apply_chat_template(PASSAGE + "\n\nSummarise the passage.")

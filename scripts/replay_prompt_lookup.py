@@ -1,34 +1,48 @@
-"""Prompt lookup replayed exactly on recorded greedy outputs: how often its drafts are right, by match length.
+"""Prompt lookup replayed exactly on recorded greedy outputs: how often its drafts are right, by match length,
+and how auto draft lengths compare with fixed ones.
 
 Greedy output does not depend on the drafter, so one plain greedy continuation per bench prompt (EOS ignored,
 as specdec-bench does) fixes every round a drafter would see: a round proposes up to k tokens after the
 committed text, keeps the prefix that equals the recorded continuation, and commits one token more. This
 prints, per suite and lookup setting, the acceptance of a round's first drafted token by the length of the
-longest suffix of the committed text that occurred before, and the tokens per round (tau) at k=4; and writes
-them as JSON.
+longest suffix of the committed text that occurred before, and the tokens per round (tau) at k=4.
+
+It then prices every round by the target's verify pass, timed on the engines for each width (1 to the
+engines' max draft length + 1) at a few context lengths and interpolated between them, and compares fixed
+draft lengths with auto: the decoder's own ``DraftLengthController``, fed each round's drafts, acceptances
+and price as the decoder feeds it. The acceptances are exact; the times are a model (lookup's own ~0.1 ms and
+the decoder's sub-millisecond work per round are left out), so machine noise cannot decide the comparison.
+Everything is written as JSON.
 
     .venv/bin/python scripts/replay_prompt_lookup.py --out results/lookup_replay.json
     .venv/bin/python scripts/replay_prompt_lookup.py --recorded greedy.json   # replay an earlier recording
+    .venv/bin/python scripts/replay_prompt_lookup.py --recorded greedy.json --costs results/lookup_replay.json
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
 import numpy as np
 from rich.console import Console
 
+from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.suites import SUITES, load_suite
+from specdec_trt.bench.timing import step_seconds_by_width
 from specdec_trt.cli import default_engines
 from specdec_trt.drafting import PromptLookupDrafter
+from specdec_trt.schedule import DraftLengthController
 
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}
 LONGEST_MATCH = 8  # match lengths are measured up to this
 MATCH_BINS = {"1": (1, 1), "2": (2, 2), "3-7": (3, 7), "8+": (8, LONGEST_MATCH)}  # inclusive ranges
+FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)  # the fixed draft lengths auto is compared with
+COST_CONTEXTS = (100, 500, 1000, 1500, 2000)  # cached tokens at which verify passes are timed
 
 
 def record(engines: Path, new_tokens: int) -> dict[str, list[dict]]:
@@ -54,22 +68,31 @@ def match_length(sequence: np.ndarray) -> int:
     return 0
 
 
-def replay(prompt: list[int], output: list[int], drafter: PromptLookupDrafter, k: int) -> tuple[list, float]:
-    """[(matched length, first draft right)] over the rounds that drafted, and tau at draft length ``k``."""
+def rounds(
+    prompt: list[int], output: list[int], drafter: PromptLookupDrafter, draft_length: Callable[[int], int]
+) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
+    """The rounds of the greedy generation ``output`` drafted by ``drafter``: (committed context, draft, drafts
+    accepted) each; ``draft_length(usable)`` chooses how many tokens a round asks for, at most ``usable``."""
     sequence = np.asarray(prompt + output)
     position, end = len(prompt) + 1, len(sequence)  # the first token comes from the prefill
-    first_drafts, rounds, committed = [], 0, 0
     while position < end:
         context = sequence[:position]
-        draft = drafter.lookup(context, min(k, end - position - 1))
+        draft = drafter.lookup(context, draft_length(end - position - 1))
         accepted = 0
         while accepted < len(draft) and draft[accepted] == sequence[position + accepted]:
             accepted += 1
+        yield context, draft, accepted
+        position += accepted + 1
+
+
+def replay(prompt: list[int], output: list[int], drafter: PromptLookupDrafter, k: int) -> tuple[list, float]:
+    """[(matched length, first draft right)] over the rounds that drafted, and tau at draft length ``k``."""
+    first_drafts, count, committed = [], 0, 0
+    for context, draft, accepted in rounds(prompt, output, drafter, lambda usable: min(k, usable)):
         if len(draft):
             first_drafts.append((match_length(context), accepted > 0))
-        position += accepted + 1
-        rounds, committed = rounds + 1, committed + accepted + 1
-    return first_drafts, committed / max(rounds, 1)
+        count, committed = count + 1, committed + accepted + 1
+    return first_drafts, committed / max(count, 1)
 
 
 def summarise(recorded: dict[str, list[dict]], new_tokens: int) -> dict:
@@ -91,25 +114,114 @@ def summarise(recorded: dict[str, list[dict]], new_tokens: int) -> dict:
     return results
 
 
+def measure_verify_seconds(engines: Path, max_width: int, repeats: int) -> dict[int, list[float]]:
+    """{width: median seconds of the target's forward of ``width`` new tokens after each of ``COST_CONTEXTS``}."""
+    target = SpeculativeDecoder.from_engines(engines, draft=None).target
+    widths = range(1, max_width + 1)
+    by_context = [step_seconds_by_width(target, context, widths, repeats) for context in COST_CONTEXTS]
+    return {width: [seconds[width] for seconds in by_context] for width in widths}
+
+
+def generation_seconds(
+    prompt: list[int], output: list[int], verify_seconds: dict[int, list[float]], k: int | None, max_draft: int
+) -> float:
+    """Seconds the verify passes of one greedy generation take, priced by ``verify_seconds`` (interpolated in
+    context), when prompt lookup drafts ``k`` tokens a round (0: plain decoding), or, for ``k=None``, as many
+    as the decoder's own auto controller chooses, fed the same observations as in the decoder."""
+    controller = DraftLengthController(max_draft, 1) if k is None else None
+
+    def draft_length(usable: int) -> int:
+        return controller.choose([True], usable) if controller else min(k, usable)
+
+    total = 0.0
+    for context, draft, accepted in rounds(prompt, output, PromptLookupDrafter(), draft_length):
+        seconds = float(np.interp(len(context), COST_CONTEXTS, verify_seconds[len(draft) + 1]))
+        if controller is not None:
+            controller.observe(len(draft), [accepted], [True], 0.0, seconds)  # lookup time: ~0.1 ms, left out
+        total += seconds
+    return total
+
+
+def compare_draft_lengths(
+    recorded: dict[str, list[dict]], new_tokens: int, verify_seconds: dict[int, list[float]], max_draft: int
+) -> dict:
+    """Per suite: the median over prompts of each fixed length's and auto's speedup over plain decoding, the
+    best fixed length (chosen after the fact), and auto's speedup over it."""
+    results = {}
+    for suite, rows in recorded.items():
+        speedups = defaultdict(list)
+        for row in rows:
+            prompt, output = row["prompt"], row["output"][:new_tokens]
+            plain = generation_seconds(prompt, output, verify_seconds, 0, max_draft)
+            for k in (*FIXED_LENGTHS, None):
+                name = "auto" if k is None else f"k={k}"
+                speedups[name].append(plain / generation_seconds(prompt, output, verify_seconds, k, max_draft))
+        medians = {name: float(np.median(values)) for name, values in speedups.items()}
+        best = max((name for name in medians if name != "auto"), key=medians.__getitem__)
+        auto_over_best = medians["auto"] / medians[best]
+        results[suite] = {"median_speedup": medians, "best_fixed": best, "auto_over_best": auto_over_best}
+    return results
+
+
 @click.command()
 @click.option("--engines", type=click.Path(path_type=Path), help="Engine directory [default: the default engines]")
 @click.option("--recorded", type=click.Path(exists=True, path_type=Path), help="Replay this recording, make none.")
 @click.option("--new-tokens", default=128, show_default=True, help="Tokens of each recorded continuation to replay.")
 @click.option("--record-tokens", default=256, show_default=True, help="Tokens each new recording generates.")
+@click.option(
+    "--costs",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Price the draft lengths with the verify costs an earlier run wrote (its --out), measure none.",
+)
+@click.option("--cost-repeats", default=20, show_default=True, help="Timed passes per width and context.")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/lookup_replay.json"), show_default=True)
-def main(engines: Path | None, recorded: Path | None, new_tokens: int, record_tokens: int, out: Path) -> None:
-    """Replay prompt lookup on greedy recordings of the bench suites and print what it gets right."""
+def main(
+    engines: Path | None,
+    recorded: Path | None,
+    new_tokens: int,
+    record_tokens: int,
+    costs: Path | None,
+    cost_repeats: int,
+    out: Path,
+) -> None:
+    """Replay prompt lookup on greedy recordings of the bench suites: what its drafts get right, and auto
+    against fixed draft lengths with verify passes priced as measured on the engines."""
+    if engines is None and (recorded is None or costs is None):
+        engines = default_engines(Console(stderr=True))
     if recorded is not None:
         recording = {s: rows for s, rows in json.loads(recorded.read_text()).items() if s in SUITES}
     else:
-        recording = record(engines or default_engines(Console(stderr=True)), record_tokens)
+        recording = record(engines, record_tokens)
     results = summarise(recording, new_tokens)
     for suite, settings in results.items():
         for name, figures in settings.items():
             bins = ", ".join(f"m={b}: {a:.2f} ({n})" for b, (a, n) in figures["first_draft_acceptance"].items())
             click.echo(f"{suite:14s} {name:22s} tau k=4 {figures['median_tau_k4']:.2f}; first draft right at {bins}")
+
+    if costs is not None:
+        earlier = json.loads(costs.read_text())["draft_lengths"]
+        if tuple(earlier["contexts"]) != COST_CONTEXTS:
+            raise click.UsageError(f"{costs} priced contexts {earlier['contexts']}, this script {list(COST_CONTEXTS)}")
+        max_draft, verify_seconds = earlier["max_draft"], {int(w): v for w, v in earlier["verify_seconds"].items()}
+    else:
+        max_draft = read_manifest(engines, verify_files=False).target.max_draft_len
+        verify_seconds = measure_verify_seconds(engines, max_draft + 1, cost_repeats)
+    lengths = compare_draft_lengths(recording, new_tokens, verify_seconds, max_draft)
+    names = [f"k={k}" for k in FIXED_LENGTHS] + ["auto"]
+    click.echo("\nSpeedup over plain decoding (median over prompts), verify passes priced as measured:")
+    click.echo(f"{'suite':14s} " + " ".join(f"{n:>6s}" for n in names) + "  auto / best fixed")
+    for suite, figures in lengths.items():
+        cells = " ".join(f"{figures['median_speedup'][n]:6.3f}" for n in names)
+        click.echo(f"{suite:14s} {cells}  {figures['auto_over_best']:.3f} ({figures['best_fixed']})")
+
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"new_tokens": new_tokens, "results": results}, indent=1))
+    draft_lengths = {
+        "contexts": list(COST_CONTEXTS),
+        "verify_seconds": verify_seconds,
+        "max_draft": max_draft,
+        "suites": lengths,
+    }
+    out.write_text(json.dumps({"new_tokens": new_tokens, "results": results, "draft_lengths": draft_lengths}, indent=1))
     click.echo(f"Wrote {out}")
 
 

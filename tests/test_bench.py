@@ -14,7 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from build_engines.checkpoint import default_model_path, load_tokenizer
+from build_engines.checkpoint import default_model_path, load_checkpoint, load_tokenizer
+from runtime.torch_engine import TorchEngine
 from specdec_trt.bench import methods as bench_methods
 from specdec_trt.bench.cli import bench, peer_lengths
 from specdec_trt.bench.harness import SCHEMA
@@ -22,6 +23,7 @@ from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
 from specdec_trt.bench.report import auto_table
 from specdec_trt.bench.suites import SUITES, SuiteError, load_suite
 from specdec_trt.bench.summary import summarise
+from specdec_trt.bench.timing import step_seconds
 from specdec_trt.build import BuildRequest, build
 from specdec_trt.decoder import AUTO
 
@@ -490,3 +492,10 @@ def test_every_method_runs_on_cuda(models: dict[str, Path], suite_file: Path, tm
     check_schema(data, methods, settings=1, prompts=2, repeats=1)
     assert data["environment"]["device"] != "cpu"
     assert all(r["same_tokens_as_plain"] for r in data["runs"] if not r["method"].startswith("transformers"))
+
+
+def test_step_seconds_times_passes_and_leaves_the_context_cached(make_checkpoint) -> None:
+    engine = TorchEngine.from_checkpoint(load_checkpoint(make_checkpoint(family="llama")), max_context=64)
+    seconds = step_seconds(engine, context=20, new_tokens=3, repeats=3)
+    assert 0 < seconds < 5
+    assert engine.lengths.tolist() == [20]  # every timed pass was truncated away
