@@ -5,7 +5,7 @@ present output, so GroupQueryAttention writes only the new tokens in place. Trun
 per-row lengths that become ``seqlens_k``. Every row's count of new tokens goes in as ``query_seqlens``,
 so any batch takes any number of new tokens per row in one pass: a batched verify reads the weights once.
 
-The caches are bound once per batch (one IOBinding kept with the buffers); a step binds only its four small
+The caches are bound once per batch (one IOBinding kept with the buffers); a step binds only its five small
 inputs and a fresh logits array, so the Python work around a run stays small beside the run itself.
 """
 
@@ -187,13 +187,13 @@ class OrtEngine:
         if not self._caches or next(iter(self._caches.values())).shape[0] != batch:
             shape = (batch, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
             self._caches = {name: np.zeros(shape, _NUMPY_DTYPES[self.spec.dtype]) for name in self._cache_names}
-            self._binding = self._bind_caches(self._caches)
+            self._binding = self._bind_caches()
 
-    def _bind_caches(self, caches: dict[str, np.ndarray]) -> ort.IOBinding:
+    def _bind_caches(self) -> ort.IOBinding:
         """A binding with every cache as both its past input and its present output: written in place by the
         graph, never copied."""
         binding = self.session.io_binding()
-        for name, array in caches.items():
+        for name, array in self._caches.items():
             value = ort.OrtValue.ortvalue_from_numpy(array)
             binding.bind_ortvalue_input(name, value)
             binding.bind_ortvalue_output(name.replace("past_", "present_"), value)
