@@ -494,8 +494,9 @@ def test_every_method_runs_on_cuda(models: dict[str, Path], suite_file: Path, tm
     assert all(r["same_tokens_as_plain"] for r in data["runs"] if not r["method"].startswith("transformers"))
 
 
-def test_step_seconds_times_passes_and_leaves_the_context_cached(make_checkpoint) -> None:
+@pytest.mark.parametrize("rows", [1, 3])
+def test_step_seconds_times_passes_and_leaves_the_context_cached(make_checkpoint, rows: int) -> None:
     engine = TorchEngine.from_checkpoint(load_checkpoint(make_checkpoint(family="llama")), max_context=64)
-    seconds = step_seconds(engine, context=20, new_tokens=3, repeats=3)
+    seconds = step_seconds(engine, context=20, new_tokens=3, repeats=3, rows=rows)
     assert 0 < seconds < 5
-    assert engine.lengths.tolist() == [20]  # every timed pass was truncated away
+    assert engine.lengths.tolist() == [20] * rows  # every timed pass was truncated away

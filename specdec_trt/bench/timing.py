@@ -11,20 +11,22 @@ import torch
 from runtime.engine import Engine
 
 
-def step_seconds(engine: Engine, context: int, new_tokens: int, repeats: int = 20) -> float:
-    """Median seconds of one forward of ``new_tokens`` random tokens after ``context`` cached random tokens
-    (batch of one); the cache is truncated back to ``context`` after each."""
-    return step_seconds_by_width(engine, context, [new_tokens], repeats)[new_tokens]
+def step_seconds(engine: Engine, context: int, new_tokens: int, repeats: int = 20, rows: int = 1) -> float:
+    """Median seconds of one forward of ``new_tokens`` random tokens per row after ``context`` cached random
+    tokens, for a batch of ``rows``; the cache is truncated back to ``context`` after each."""
+    return step_seconds_by_width(engine, context, [new_tokens], repeats, rows)[new_tokens]
 
 
-def step_seconds_by_width(engine: Engine, context: int, widths: Sequence[int], repeats: int = 20) -> dict[int, float]:
+def step_seconds_by_width(
+    engine: Engine, context: int, widths: Sequence[int], repeats: int = 20, rows: int = 1
+) -> dict[int, float]:
     """``step_seconds`` for each of ``widths``, timed in turn within every repeat so that a burst of load on a
     shared machine hits every width alike."""
-    engine.prefill(torch.randint(0, engine.vocab_size, (1, context)), torch.tensor([context]))
+    engine.prefill(torch.randint(0, engine.vocab_size, (rows, context)), torch.full((rows,), context))
     samples: dict[int, list[float]] = {width: [] for width in widths}
     for _ in range(repeats):
         for width in widths:
-            tokens = torch.randint(0, engine.vocab_size, (1, width))
+            tokens = torch.randint(0, engine.vocab_size, (rows, width))
             start = time.perf_counter()
             engine.forward(tokens)
             samples[width].append(time.perf_counter() - start)
