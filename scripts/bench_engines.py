@@ -31,7 +31,7 @@ from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
-from specdec_trt.bench.timing import step_seconds
+from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
 from specdec_trt.cli import default_engines
 from specdec_trt.stats import ideal_speedup
 
@@ -135,13 +135,15 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
 
     # 2 + 3: engine-level step costs.
     target = decoder.target
+    # Widths are timed in turn within each repeat, so that a burst of load hits every width alike.
     results["steps_ms"] = {
-        f"context={context},new={new}": 1e3 * step_seconds(target, context, new)
+        f"context={context},new={new}": 1e3 * seconds
         for context in (100, 1500)
-        for new in (1, 5, 6)
+        for new, seconds in step_seconds_by_width(target, context, (1, 5, 6)).items()
     }
-    # A batch of 4 rows verifying 5 tokens each: one pass, against the 4 single-row passes it used to take.
-    one_row, four_rows = step_seconds(target, 100, 5), step_seconds(target, 100, 5, rows=4)
+    # A batch of 4 rows verifying 5 tokens each: one pass, against the 4 single-row passes it used to take
+    # (the single-row T=5 step above at context 100).
+    one_row, four_rows = results["steps_ms"]["context=100,new=5"] / 1e3, step_seconds(target, 100, 5, rows=4)
     results["batched_verify"] = {
         "rows": 4,
         "new_tokens": 5,
