@@ -155,6 +155,22 @@ class OrtEngine:
                 cache[row, :, start:stop] = source._caches[name][row, :, start:stop]
         self._lengths = stops.copy()
 
+    def fork_cache(self, source: OrtEngine, lengths: Sequence[int], row: int = 0) -> None:
+        """Start a batch of ``len(lengths)`` rows from one cached row of ``source`` (same layout: a
+        self-draft): row r holds its first ``lengths[r]`` tokens. Several continuations of one sequence, each
+        from its own point, then run as one batch without a prefill of their own."""
+        self._check_same_layout(source)
+        stops = np.asarray(lengths, dtype=np.int64)
+        if not 0 <= row < len(source._lengths) or (stops < 0).any() or (stops > source._lengths[row]).any():
+            raise ValueError(
+                f"fork_cache: lengths {stops.tolist()} of row {row} from a source holding {source._lengths.tolist()}"
+            )
+        self._allocate(len(stops))
+        longest = int(stops.max(initial=0))
+        for name, cache in self._caches.items():
+            cache[:, :, :longest] = source._caches[name][row, :, :longest]
+        self._lengths = stops.copy()
+
     def _check_same_layout(self, source: OrtEngine) -> None:
         if source._cache_names != self._cache_names or source.spec.dtype != self.spec.dtype:
             raise ValueError("adopting a cache needs an engine with the same cache layout (a self-draft)")

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import click
@@ -32,11 +31,17 @@ from rich.console import Console
 
 from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.replay import (
+    Proposal,
+    Proposer,
+    StepPrices,
+    fixed_length_rounds,
+    generation_seconds,
+    measure_step_prices,
+)
 from specdec_trt.bench.suites import SUITES, load_suite
-from specdec_trt.bench.timing import step_seconds_by_width
 from specdec_trt.cli import default_engines
-from specdec_trt.drafting import PromptLookupDrafter
-from specdec_trt.schedule import DraftLengthController
+from specdec_trt.drafting import LOOKUP, PromptLookupDrafter
 
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}
 LONGEST_MATCH = 8  # match lengths are measured up to this
@@ -68,31 +73,17 @@ def match_length(sequence: np.ndarray) -> int:
     return 0
 
 
-def rounds(
-    prompt: list[int], output: list[int], drafter: PromptLookupDrafter, draft_length: Callable[[int], int]
-) -> Iterator[tuple[np.ndarray, np.ndarray, int]]:
-    """The rounds of the greedy generation ``output`` drafted by ``drafter``: (committed context, draft, drafts
-    accepted) each; ``draft_length(usable)`` chooses how many tokens a round asks for, at most ``usable``."""
-    sequence = np.asarray(prompt + output)
-    position, end = len(prompt) + 1, len(sequence)  # the first token comes from the prefill
-    while position < end:
-        context = sequence[:position]
-        draft = drafter.lookup(context, draft_length(end - position - 1))
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == sequence[position + accepted]:
-            accepted += 1
-        yield context, draft, accepted
-        position += accepted + 1
+def lookup_proposer(drafter: PromptLookupDrafter) -> Proposer:
+    """Proposals of ``drafter``."""
+    return lambda committed, length: Proposal(drafter.lookup(committed, length))
 
 
 def replay(prompt: list[int], output: list[int], drafter: PromptLookupDrafter, k: int) -> tuple[list, float]:
     """[(matched length, first draft right)] over the rounds that drafted, and tau at draft length ``k``."""
-    first_drafts, count, committed = [], 0, 0
-    for context, draft, accepted in rounds(prompt, output, drafter, lambda usable: min(k, usable)):
-        if len(draft):
-            first_drafts.append((match_length(context), accepted > 0))
-        count, committed = count + 1, committed + accepted + 1
-    return first_drafts, committed / max(count, 1)
+    sequence = np.asarray(prompt + output)
+    replayed = fixed_length_rounds(prompt, output, lookup_proposer(drafter), k, LOOKUP)
+    first_drafts = [(match_length(sequence[: r.context]), r.accepted > 0) for r in replayed if r.drafted]
+    return first_drafts, sum(r.accepted + 1 for r in replayed) / max(len(replayed), 1)
 
 
 def summarise(recorded: dict[str, list[dict]], new_tokens: int) -> dict:
@@ -114,48 +105,20 @@ def summarise(recorded: dict[str, list[dict]], new_tokens: int) -> dict:
     return results
 
 
-def measure_verify_seconds(engines: Path, max_width: int, repeats: int) -> dict[int, list[float]]:
-    """{width: median seconds of the target's forward of ``width`` new tokens after each of ``COST_CONTEXTS``}."""
-    target = SpeculativeDecoder.from_engines(engines, draft=None).target
-    widths = range(1, max_width + 1)
-    by_context = [step_seconds_by_width(target, context, widths, repeats) for context in COST_CONTEXTS]
-    return {width: [seconds[width] for seconds in by_context] for width in widths}
-
-
-def generation_seconds(
-    prompt: list[int], output: list[int], verify_seconds: dict[int, list[float]], k: int | None, max_draft: int
-) -> float:
-    """Seconds the verify passes of one greedy generation take, priced by ``verify_seconds`` (interpolated in
-    context), when prompt lookup drafts ``k`` tokens a round (0: plain decoding), or, for ``k=None``, as many
-    as the decoder's own auto controller chooses, fed the same observations as in the decoder."""
-    controller = DraftLengthController(max_draft, 1) if k is None else None
-
-    def draft_length(usable: int) -> int:
-        return controller.choose([True], usable) if controller else min(k, usable)
-
-    total = 0.0
-    for context, draft, accepted in rounds(prompt, output, PromptLookupDrafter(), draft_length):
-        seconds = float(np.interp(len(context), COST_CONTEXTS, verify_seconds[len(draft) + 1]))
-        if controller is not None:
-            controller.observe(len(draft), [accepted], [True], 0.0, seconds)  # lookup time: ~0.1 ms, left out
-        total += seconds
-    return total
-
-
-def compare_draft_lengths(
-    recorded: dict[str, list[dict]], new_tokens: int, verify_seconds: dict[int, list[float]], max_draft: int
-) -> dict:
+def compare_draft_lengths(recorded: dict[str, list[dict]], new_tokens: int, prices: StepPrices, max_draft: int) -> dict:
     """Per suite: the median over prompts of each fixed length's and auto's speedup over plain decoding, the
     best fixed length (chosen after the fact), and auto's speedup over it."""
     results = {}
+    parts = {LOOKUP: lookup_proposer(PromptLookupDrafter())}
     for suite, rows in recorded.items():
         speedups = defaultdict(list)
         for row in rows:
             prompt, output = row["prompt"], row["output"][:new_tokens]
-            plain = generation_seconds(prompt, output, verify_seconds, 0, max_draft)
+            plain = generation_seconds(prompt, output, parts, lambda _: LOOKUP, prices, 0, max_draft)
             for k in (*FIXED_LENGTHS, None):
                 name = "auto" if k is None else f"k={k}"
-                speedups[name].append(plain / generation_seconds(prompt, output, verify_seconds, k, max_draft))
+                seconds = generation_seconds(prompt, output, parts, lambda _: LOOKUP, prices, k, max_draft)
+                speedups[name].append(plain / seconds)
         medians = {name: float(np.median(values)) for name, values in speedups.items()}
         best = max((name for name in medians if name != "auto"), key=medians.__getitem__)
         auto_over_best = medians["auto"] / medians[best]
@@ -202,11 +165,13 @@ def main(
         earlier = json.loads(costs.read_text())["draft_lengths"]
         if tuple(earlier["contexts"]) != COST_CONTEXTS:
             raise click.UsageError(f"{costs} priced contexts {earlier['contexts']}, this script {list(COST_CONTEXTS)}")
-        max_draft, verify_seconds = earlier["max_draft"], {int(w): v for w, v in earlier["verify_seconds"].items()}
+        max_draft = earlier["max_draft"]
+        prices = StepPrices(COST_CONTEXTS, {int(w): v for w, v in earlier["verify_seconds"].items()})
     else:
         max_draft = read_manifest(engines, verify_files=False).target.max_draft_len
-        verify_seconds = measure_verify_seconds(engines, max_draft + 1, cost_repeats)
-    lengths = compare_draft_lengths(recording, new_tokens, verify_seconds, max_draft)
+        target = SpeculativeDecoder.from_engines(engines, draft=None).target
+        prices = measure_step_prices(target, None, max_draft + 1, COST_CONTEXTS, cost_repeats)
+    lengths = compare_draft_lengths(recording, new_tokens, prices, max_draft)
     names = [f"k={k}" for k in FIXED_LENGTHS] + ["auto"]
     click.echo("\nSpeedup over plain decoding (median over prompts), verify passes priced as measured:")
     click.echo(f"{'suite':14s} " + " ".join(f"{n:>6s}" for n in names) + "  auto / best fixed")
@@ -217,7 +182,7 @@ def main(
     out.parent.mkdir(parents=True, exist_ok=True)
     draft_lengths = {
         "contexts": list(COST_CONTEXTS),
-        "verify_seconds": verify_seconds,
+        "verify_seconds": prices.verify,
         "max_draft": max_draft,
         "suites": lengths,
     }

@@ -88,7 +88,10 @@ class ModelDrafter:
     A self-draft (``cache_from``: the target's engine, with the same cache layout) feeds only each row's newest
     token: the keys and values of the committed tokens before it, which the target's verify pass computed,
     are copied from the target's cache, so even a long run of tokens the draft never saw (rounds drafted by
-    prompt lookup, plain rounds) costs one draft step.
+    prompt lookup, plain rounds) costs one draft step. Its own keys and values of accepted drafts are replaced
+    by the target's too: on the default model that took 5.6% fewer rounds at k=4 (405 against 429 over 12
+    bench prompts, acceptance 0.71 against 0.65), and it makes the draft's proposals depend on the committed
+    text alone, which lets ``specdec_trt.bench.replay`` replay them exactly.
     """
 
     def __init__(self, engine: Engine, cache_from: Engine | None = None) -> None:
@@ -145,15 +148,20 @@ class ModelDrafter:
         """Feed each row the committed tokens its cache lacks; the logits after its last token [B, V]."""
         lengths = [len(s) for s in sequences]
         cached = self.engine.lengths.tolist()
-        fed = self._fed.get().tolist()  # copied during the last round, which the decoder has synchronised since
-        valid = [
-            min(_matching_prefix(s, base, drafts), length - 1, in_cache)
-            for s, base, drafts, length, in_cache in zip(sequences, self._cached, fed, lengths, cached)
-        ]
-        if self.cache_from is not None:  # a self-draft: the target holds all but each row's newest token
-            self.engine.truncate(torch.tensor(valid))
+        if self.cache_from is not None:
+            # A self-draft: from the token it last fed on, its own keys and values give way to the target's,
+            # which hold all but each row's newest token.
+            self.engine.truncate(
+                torch.tensor([min(base - 1, in_cache) for base, in_cache in zip(self._cached, cached)])
+            )
             valid = [length - 1 for length in lengths]
             self.engine.adopt_cache(self.cache_from, valid)
+        else:
+            fed = self._fed.get().tolist()  # copied during the last round, which the decoder has synchronised since
+            valid = [
+                min(_matching_prefix(s, base, drafts), length - 1, in_cache)
+                for s, base, drafts, length, in_cache in zip(sequences, self._cached, fed, lengths, cached)
+            ]
         width = max(length - v for length, v in zip(lengths, valid))
         # A row shorter than the width (possible only for a finished, frozen row) starts at 0, padded.
         starts = [max(length - width, 0) for length in lengths]

@@ -48,10 +48,11 @@ from build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
 from runtime.ort_engine import PROVIDERS, OrtEngine, ProviderUnavailableError
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.replay import fixed_length_rounds, record_model_chains
 from specdec_trt.build import BuildRequest
 from specdec_trt.cli import run
 from specdec_trt.decoder import AUTO
-from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter
+from specdec_trt.drafting import MODEL, LookupFirstDrafter, ModelDrafter
 from specdec_trt.loading import load_engine_directory, model_spec
 
 ATOL = 1e-4
@@ -205,6 +206,50 @@ def test_adopted_cache_extends_rows_like_their_source(engine_dirs: dict[str, Pat
         adopter.adopt_cache(source, [8, 2, 13])
     with pytest.raises(ValueError, match="only extends"):
         adopter.adopt_cache(source, [30, 30, 30])
+
+
+def test_forked_cache_continues_each_prefix_like_a_prefill_of_it(engine_dirs: dict[str, Path]) -> None:
+    """fork_cache starts one row per prefix of a cached sequence: each then computes what a prefill of that
+    prefix computes; a prefix longer than the source holds is refused."""
+    source, forked, reference = (target_engine(engine_dirs["llama"]) for _ in range(3))
+    generator = torch.Generator().manual_seed(2)
+    sequence = torch.randint(3, source.vocab_size, (1, 20), generator=generator)
+    forked.prefill(sequence[:, :3], torch.tensor([3]))  # a batch of another size before
+    source.prefill(sequence, torch.tensor([20]))
+    forked.fork_cache(source, [4, 11, 20])
+    assert forked.lengths.tolist() == [4, 11, 20]
+    new = torch.randint(3, source.vocab_size, (3, 2), generator=generator)
+    logits = forked.forward(new)
+    for row, length in enumerate((4, 11, 20)):
+        reference.prefill(torch.cat([sequence[:, :length], new[row : row + 1]], 1), torch.tensor([length + 2]))
+        reference.truncate(length)
+        torch.testing.assert_close(logits[row : row + 1], reference.forward(new[row : row + 1]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="fork_cache"):
+        forked.fork_cache(source, [21])
+
+
+@pytest.mark.parametrize("gamma", [1, 3, MAX_DRAFT_LEN])
+def test_replayed_self_draft_rounds_equal_the_decoder_rounds(gamma: int, engine_dirs: dict[str, Path]) -> None:
+    """The int4 self-draft's proposals recorded once per committed length (``record_model_chains``) and
+    replayed at a fixed draft length give the decoder's own rounds: the same count, and the same acceptances
+    at every draft position."""
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"])
+    target, draft = decoder.target, decoder.drafter.engine
+    total_accepted = 0
+    for prompt in PROMPTS:
+        real = decoder.generate(prompt, GREEDY, num_draft_tokens=gamma)
+        prompt_ids = decoder.tokenize(prompt)
+        chains = record_model_chains(
+            target, draft, prompt_ids + real.token_ids, len(prompt_ids) + 1, MAX_DRAFT_LEN, rows=3
+        )
+        replayed = fixed_length_rounds(prompt_ids, real.token_ids, chains.proposer(), gamma, MODEL)
+        assert len(replayed) == real.stats.rounds, prompt
+        drafted = [sum(r.drafted > i for r in replayed) for i in range(gamma)]
+        accepted = [sum(r.accepted > i for r in replayed) for i in range(gamma)]
+        assert drafted == real.stats.drafted_per_position, prompt
+        assert accepted == real.stats.accepted_per_position, prompt
+        total_accepted += sum(accepted)
+    assert total_accepted > 0, "the int4 self-draft should be accepted sometimes"
 
 
 def test_adopt_prompt_cache_refuses_another_layout_or_an_empty_source(engine_dirs: dict[str, Path]) -> None:

@@ -1,0 +1,211 @@
+"""Greedy speculative decoding replayed on a recorded output: draft lengths compared without timing noise.
+
+Greedy output does not depend on the drafter, so one plain greedy continuation fixes every round a drafter
+would see: a round proposes up to k tokens after the committed text, keeps the prefix that equals the
+recorded continuation, and commits one token more. A drafter is replayed from what it would propose after
+each committed length: prompt lookup computes it on the spot; a model draft's greedy proposals, with its
+confidence in each token, are recorded once per committed length (``record_model_chains``), the way the
+decoder's self-draft computes them. Each round is then priced by timed draft and verify steps, and the
+decoder's own ``DraftLengthController`` is fed each round's drafts, acceptances, confidences and price as
+the decoder feeds it, so auto and every fixed length are compared on identical rounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runtime.engine import Engine
+from runtime.ort_engine import OrtEngine
+from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
+from specdec_trt.drafting import MODEL
+from specdec_trt.schedule import DraftLengthController
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A round's drafted tokens and, for a model draft, its probability of each."""
+
+    tokens: np.ndarray
+    confidence: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class Round:
+    """One replayed round: ``context`` committed tokens before it, the ``part`` of the drafter that drafted,
+    ``drafted`` tokens of which ``accepted`` were accepted (one more token is committed after them)."""
+
+    context: int
+    part: str
+    proposal: Proposal
+    accepted: int
+
+    @property
+    def drafted(self) -> int:
+        return len(self.proposal.tokens)
+
+
+Proposer = Callable[[np.ndarray, int], Proposal]  # (committed tokens, tokens wanted) -> proposal
+Price = Callable[[Round], tuple[float, float]]  # round -> (draft seconds, verify seconds)
+
+
+def replay_rounds(
+    prompt: list[int], output: list[int], propose: Callable[[np.ndarray, int], tuple[str, Proposal]]
+) -> Iterator[Round]:
+    """The rounds of the greedy generation ``output`` after ``prompt``. ``propose(committed, usable)`` gives
+    the round's drafting part and proposal, at most ``usable`` tokens (the tokens still needed, less the
+    target's own)."""
+    sequence = np.asarray(prompt + output)
+    position, end = len(prompt) + 1, len(sequence)  # the first token comes from the prefill
+    while position < end:
+        part, proposal = propose(sequence[:position], end - position - 1)
+        accepted = 0
+        tokens = proposal.tokens
+        while accepted < len(tokens) and tokens[accepted] == sequence[position + accepted]:
+            accepted += 1
+        yield Round(position, part, proposal, accepted)
+        position += accepted + 1
+
+
+def fixed_length_rounds(prompt: list[int], output: list[int], propose: Proposer, k: int, part: str) -> list[Round]:
+    """The rounds of ``output`` when ``propose`` (the drafter's ``part``) drafts ``k`` tokens a round."""
+    return list(replay_rounds(prompt, output, lambda committed, usable: (part, propose(committed, min(k, usable)))))
+
+
+def generation_seconds(
+    prompt: list[int],
+    output: list[int],
+    parts: dict[str, Proposer],
+    part_of: Callable[[np.ndarray], str],
+    price: Price,
+    k: int | None,
+    max_draft: int,
+) -> float:
+    """Priced seconds of one greedy generation when the drafter's ``parts`` (chosen each round by
+    ``part_of(committed)``) draft ``k`` tokens a round (0: plain decoding), or, for ``k=None``, as many as
+    the decoder's auto controllers choose (one per part, as in the decoder): a part that reports its
+    confidence is asked for up to the limit and stopped by the controller's cost-aware rule."""
+    controllers: dict[str, DraftLengthController] = {}
+
+    def propose(committed: np.ndarray, usable: int) -> tuple[str, Proposal]:
+        part = part_of(committed)
+        if k is not None:
+            length = min(k, usable)
+            return part, parts[part](committed, length) if length else Proposal(committed[:0])
+        controller = controllers.setdefault(part, DraftLengthController(max_draft, 1))
+        length = controller.choose([True], usable)
+        if not length:
+            return part, Proposal(committed[:0])
+        proposal = parts[part](committed, length)
+        if proposal.confidence is None:
+            return part, proposal
+        return part, _stopped(proposal, controller.stop_rule([True]))
+
+    total = 0.0
+    for round_ in replay_rounds(prompt, output, propose):
+        draft_s, verify_s = price(round_)
+        if k is None:
+            confidence = round_.proposal.confidence
+            judged = None if confidence is None else confidence[None]
+            controllers[round_.part].observe(round_.drafted, [round_.accepted], [True], draft_s, verify_s, judged)
+        total += draft_s + verify_s
+    return total
+
+
+def _stopped(proposal: Proposal, stop: Callable[[torch.Tensor], bool]) -> Proposal:
+    """The proposal cut after the first token at which ``stop`` ends the round (that token kept), as the
+    model drafter does."""
+    for i, confidence in enumerate(proposal.confidence):
+        if stop(torch.tensor([confidence])):
+            return Proposal(proposal.tokens[: i + 1], proposal.confidence[: i + 1])
+    return proposal
+
+
+@dataclass(frozen=True)
+class ModelChains:
+    """A model draft's greedy proposals after each committed length of one sequence: row i holds the draft's
+    tokens and confidences after ``first + i`` committed tokens, up to ``max_draft`` or the tokens left."""
+
+    first: int
+    tokens: list[list[int]]
+    confidence: list[list[float]]
+
+    def proposer(self) -> Proposer:
+        """Proposals as the recorded draft makes them."""
+
+        def propose(committed: np.ndarray, length: int) -> Proposal:
+            if not length:
+                return Proposal(committed[:0])
+            i = len(committed) - self.first
+            return Proposal(np.asarray(self.tokens[i][:length]), np.asarray(self.confidence[i][:length]))
+
+        return propose
+
+
+def record_model_chains(
+    target: OrtEngine, draft: OrtEngine, sequence: list[int], first: int, max_draft: int, rows: int = 4
+) -> ModelChains:
+    """The greedy proposals of a self-draft (``draft`` with ``target``'s cache layout) after every committed
+    length of ``sequence`` from ``first`` on that leaves a token to draft, ``rows`` lengths at a time. As in
+    the decoder, the draft attends to the target's keys and values of the committed tokens except the
+    newest, which it feeds itself, then its own drafts. Confidence: the draft's softmax probability of each
+    drafted token, rounded to 6 decimals."""
+    end = len(sequence)
+    target.prefill(torch.tensor([sequence]), torch.tensor([end]))
+    lengths = list(range(first, end - 1))
+    tokens: list[list[int]] = []
+    confidence: list[list[float]] = []
+    for start in range(0, len(lengths), rows):
+        chunk = lengths[start : start + rows]
+        depths = [min(max_draft, end - length - 1) for length in chunk]
+        draft.fork_cache(target, [length - 1 for length in chunk])
+        fed = torch.tensor([[sequence[length - 1]] for length in chunk])
+        drafted, probability = [], []
+        for _ in range(max(depths)):
+            logits = draft.forward(fed)[:, 0]
+            fed = logits.argmax(-1, keepdim=True)
+            drafted.append(fed[:, 0])
+            probability.append(logits.float().softmax(-1).gather(1, fed)[:, 0])
+        drafted_rows, probability_rows = torch.stack(drafted, 1).tolist(), torch.stack(probability, 1).tolist()
+        for depth, row_tokens, row_probability in zip(depths, drafted_rows, probability_rows):
+            tokens.append(row_tokens[:depth])
+            confidence.append([round(p, 6) for p in row_probability[:depth]])
+    return ModelChains(first, tokens, confidence)
+
+
+@dataclass(frozen=True)
+class StepPrices:
+    """Seconds of the steps a round takes, timed at ``contexts`` cached tokens and interpolated between:
+    ``verify[w]``, the target's pass of w new tokens; ``draft``, one model-draft step (a model-drafted
+    round of g tokens takes g of them; a prompt-lookup round drafts for free)."""
+
+    contexts: tuple[int, ...]
+    verify: dict[int, list[float]]
+    draft: list[float] | None = None
+
+    def __call__(self, round_: Round) -> tuple[float, float]:
+        verify = float(np.interp(round_.context, self.contexts, self.verify[round_.drafted + 1]))
+        if round_.part != MODEL or not round_.drafted:
+            return 0.0, verify
+        if self.draft is None:
+            raise ValueError("a model-drafted round needs draft step prices")
+        return round_.drafted * float(np.interp(round_.context, self.contexts, self.draft)), verify
+
+
+def measure_step_prices(
+    target: Engine, draft: Engine | None, max_width: int, contexts: Sequence[int], repeats: int
+) -> StepPrices:
+    """Time the target's passes of 1 to ``max_width`` new tokens (widths interleaved) and, given a ``draft``,
+    its one-token step, after each of ``contexts`` cached tokens."""
+    widths = range(1, max_width + 1)
+    verify: dict[int, list[float]] = {width: [] for width in widths}
+    drafting: list[float] = []
+    for context in contexts:
+        for width, seconds in step_seconds_by_width(target, context, widths, repeats).items():
+            verify[width].append(seconds)
+        if draft is not None:
+            drafting.append(step_seconds(draft, context, 1, repeats))
+    return StepPrices(tuple(contexts), verify, drafting if draft is not None else None)

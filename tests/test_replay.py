@@ -1,0 +1,94 @@
+"""Replayed greedy generations (``specdec_trt.bench.replay``): rounds, prices and auto's early stop, on made-up
+drafters whose every round is known in advance. The replay against the decoder's own rounds on real engines is
+in test_onnx_engine.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from specdec_trt.bench.replay import (
+    Proposal,
+    Proposer,
+    Round,
+    StepPrices,
+    fixed_length_rounds,
+    generation_seconds,
+    replay_rounds,
+)
+from specdec_trt.drafting import LOOKUP, MODEL
+
+PROMPT = [1, 2, 3]
+OUTPUT = list(range(10, 40))  # 30 tokens: the first from the prefill, 29 from rounds
+PRICES = StepPrices((0, 100), {w: [0.010 * (1 + 0.05 * (w - 1))] * 2 for w in range(1, 10)}, [0.002, 0.002])
+
+
+def oracle(confidence: float) -> Proposer:
+    """A model draft that always proposes the recorded continuation, with a fixed confidence."""
+    sequence = np.asarray(PROMPT + OUTPUT)
+
+    def propose(committed: np.ndarray, length: int) -> Proposal:
+        tokens = sequence[len(committed) : len(committed) + length]
+        return Proposal(tokens, np.full(len(tokens), confidence))
+
+    return propose
+
+
+def always_wrong(confidence: float) -> Proposer:
+    """A model draft that is never right (token 0 never occurs), with a fixed confidence."""
+    return lambda committed, length: Proposal(np.zeros(length, np.int64), np.full(length, confidence))
+
+
+def test_rounds_accept_the_matching_prefix_and_commit_one_more() -> None:
+    sequence = np.asarray(PROMPT + OUTPUT)
+
+    def wrong_third(committed: np.ndarray, length: int) -> tuple[str, Proposal]:
+        """The recorded continuation, but for its third token."""
+        right = sequence[len(committed) : len(committed) + length]
+        return MODEL, Proposal(np.where(np.arange(length) == 2, 0, right))
+
+    rounds = list(replay_rounds(PROMPT, OUTPUT, wrong_third))
+    assert [r.accepted for r in rounds[:3]] == [2, 2, 2]
+    assert [r.context for r in rounds[:3]] == [4, 7, 10]
+    assert sum(r.accepted + 1 for r in rounds) == len(OUTPUT) - 1
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+def test_an_always_right_draft_commits_k_plus_one_tokens_a_round(k: int) -> None:
+    rounds = fixed_length_rounds(PROMPT, OUTPUT, oracle(1.0), k, MODEL)
+    assert len(rounds) == -(-(len(OUTPUT) - 1) // (k + 1))
+    assert all(r.accepted == r.drafted for r in rounds)
+    assert rounds[-1].context + rounds[-1].drafted + 1 == len(PROMPT) + len(OUTPUT)  # never drafts past the end
+
+
+def test_plain_decoding_costs_one_verify_step_a_token() -> None:
+    seconds = generation_seconds(PROMPT, OUTPUT, {MODEL: oracle(1.0)}, lambda _: MODEL, PRICES, 0, 8)
+    assert seconds == pytest.approx((len(OUTPUT) - 1) * 0.010)
+
+
+def test_prices_charge_model_drafts_and_not_lookup_drafts() -> None:
+    round_ = Round(50, MODEL, Proposal(np.arange(3)), 3)
+    assert PRICES(round_) == pytest.approx((3 * 0.002, 0.010 * 1.15))
+    assert PRICES(Round(50, LOOKUP, Proposal(np.arange(3)), 3)) == pytest.approx((0.0, 0.010 * 1.15))
+    with pytest.raises(ValueError, match="draft step prices"):
+        StepPrices((0, 100), PRICES.verify)(round_)
+
+
+def test_auto_drafts_long_when_right_and_stops_early_when_unconfident() -> None:
+    """An always-right, confident draft: auto drafts the most it can and nears the best possible speedup.
+    A never-right, unconfident one: after the first round, every drafting round stops after one token."""
+    seen: list[Round] = []
+
+    def recording_price(round_: Round) -> tuple[float, float]:
+        seen.append(round_)
+        return PRICES(round_)
+
+    plain = generation_seconds(PROMPT, OUTPUT, {MODEL: oracle(1.0)}, lambda _: MODEL, PRICES, 0, 8)
+    auto = generation_seconds(PROMPT, OUTPUT, {MODEL: oracle(1.0)}, lambda _: MODEL, recording_price, None, 8)
+    assert plain / auto > 2.5  # k=8 throughout: 2.83x
+    assert max(r.drafted for r in seen) == 8
+    seen.clear()
+    generation_seconds(PROMPT, OUTPUT, {MODEL: always_wrong(0.01)}, lambda _: MODEL, recording_price, None, 8)
+    assert seen[0].drafted == 4  # the controller's first round, before anything was measured
+    assert all(r.drafted <= 1 for r in seen[1:]) and any(r.drafted == 1 for r in seen[1:])
+    assert all(r.accepted == 0 for r in seen)
