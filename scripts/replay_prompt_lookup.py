@@ -32,6 +32,8 @@ from rich.console import Console
 from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
+    COST_CONTEXTS,
+    FIXED_LENGTHS,
     Proposal,
     Proposer,
     StepPrices,
@@ -46,8 +48,6 @@ from specdec_trt.drafting import LOOKUP, PromptLookupDrafter
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}
 LONGEST_MATCH = 8  # match lengths are measured up to this
 MATCH_BINS = {"1": (1, 1), "2": (2, 2), "3-7": (3, 7), "8+": (8, LONGEST_MATCH)}  # inclusive ranges
-FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)  # the fixed draft lengths auto is compared with
-COST_CONTEXTS = (100, 500, 1000, 1500, 2000)  # cached tokens at which verify passes are timed
 
 
 def record(engines: Path, new_tokens: int) -> dict[str, list[dict]]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -31,8 +32,11 @@ from rich.progress import Progress
 from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
+    COST_CONTEXTS,
+    FIXED_LENGTHS,
     ModelChains,
     Proposal,
+    Proposer,
     StepPrices,
     fixed_length_rounds,
     generation_seconds,
@@ -43,13 +47,12 @@ from specdec_trt.bench.suites import SUITES
 from specdec_trt.cli import default_engines
 from specdec_trt.drafting import LOOKUP, LOOKUP_FIRST_MIN_NGRAM, MODEL, PromptLookupDrafter
 
-FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)
-COST_CONTEXTS = (100, 500, 1000, 1500, 2000)
 CHECK_LENGTH = 4
 
 
-def drafters(chains: ModelChains) -> dict[str, tuple[dict, object]]:
-    """{name: (parts, part_of)}: the self-draft alone, and prompt lookup first (as ``LookupFirstDrafter``)."""
+def drafters(chains: ModelChains) -> dict[str, tuple[dict[str, Proposer], Callable[[np.ndarray], str]]]:
+    """{name: (parts, part_of)}: the self-draft alone, prompt lookup first (as ``LookupFirstDrafter``), and
+    prompt lookup alone."""
     lookup = PromptLookupDrafter()
     first = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM)
     model = chains.proposer()

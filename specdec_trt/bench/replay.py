@@ -24,6 +24,9 @@ from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
 from specdec_trt.drafting import MODEL
 from specdec_trt.schedule import DraftLengthController
 
+FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)  # the fixed draft lengths auto is compared with
+COST_CONTEXTS = (100, 500, 1000, 1500, 2000)  # cached tokens at which steps are timed
+
 
 @dataclass(frozen=True)
 class Proposal:
