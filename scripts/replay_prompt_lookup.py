@@ -33,13 +33,14 @@ from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     COST_CONTEXTS,
-    FIXED_LENGTHS,
     Proposal,
     Proposer,
     StepPrices,
+    auto_against_fixed,
     fixed_length_rounds,
-    generation_seconds,
     measure_step_prices,
+    speedup_table,
+    speedups_by_length,
 )
 from specdec_trt.bench.suites import SUITES, load_suite
 from specdec_trt.cli import default_engines
@@ -108,21 +109,14 @@ def summarise(recorded: dict[str, list[dict]], new_tokens: int) -> dict:
 def compare_draft_lengths(recorded: dict[str, list[dict]], new_tokens: int, prices: StepPrices, max_draft: int) -> dict:
     """Per suite: the median over prompts of each fixed length's and auto's speedup over plain decoding, the
     best fixed length (chosen after the fact), and auto's speedup over it."""
-    results = {}
     parts = {LOOKUP: lookup_proposer(PromptLookupDrafter())}
+    results = {}
     for suite, rows in recorded.items():
-        speedups = defaultdict(list)
-        for row in rows:
-            prompt, output = row["prompt"], row["output"][:new_tokens]
-            plain = generation_seconds(prompt, output, parts, lambda _: LOOKUP, prices, 0, max_draft)
-            for k in (*FIXED_LENGTHS, None):
-                name = "auto" if k is None else f"k={k}"
-                seconds = generation_seconds(prompt, output, parts, lambda _: LOOKUP, prices, k, max_draft)
-                speedups[name].append(plain / seconds)
-        medians = {name: float(np.median(values)) for name, values in speedups.items()}
-        best = max((name for name in medians if name != "auto"), key=medians.__getitem__)
-        auto_over_best = medians["auto"] / medians[best]
-        results[suite] = {"median_speedup": medians, "best_fixed": best, "auto_over_best": auto_over_best}
+        per_prompt = [
+            speedups_by_length(row["prompt"], row["output"][:new_tokens], parts, lambda _: LOOKUP, prices, max_draft)
+            for row in rows
+        ]
+        results[suite] = auto_against_fixed(per_prompt)
     return results
 
 
@@ -172,12 +166,8 @@ def main(
         target = SpeculativeDecoder.from_engines(engines, draft=None).target
         prices = measure_step_prices(target, None, max_draft + 1, COST_CONTEXTS, cost_repeats)
     lengths = compare_draft_lengths(recording, new_tokens, prices, max_draft)
-    names = [f"k={k}" for k in FIXED_LENGTHS] + ["auto"]
     click.echo("\nSpeedup over plain decoding (median over prompts), verify passes priced as measured:")
-    click.echo(f"{'suite':14s} " + " ".join(f"{n:>6s}" for n in names) + "  auto / best fixed")
-    for suite, figures in lengths.items():
-        cells = " ".join(f"{figures['median_speedup'][n]:6.3f}" for n in names)
-        click.echo(f"{suite:14s} {cells}  {figures['auto_over_best']:.3f} ({figures['best_fixed']})")
+    click.echo(speedup_table(lengths))
 
     out.parent.mkdir(parents=True, exist_ok=True)
     draft_lengths = {

@@ -33,15 +33,16 @@ from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     COST_CONTEXTS,
-    FIXED_LENGTHS,
     ModelChains,
     Proposal,
     Proposer,
     StepPrices,
+    auto_against_fixed,
     fixed_length_rounds,
-    generation_seconds,
     measure_step_prices,
     record_model_chains,
+    speedup_table,
+    speedups_by_length,
 )
 from specdec_trt.bench.suites import SUITES
 from specdec_trt.cli import default_engines
@@ -71,22 +72,13 @@ def compare(recording: dict, chains: dict, prices: StepPrices, new_tokens: int, 
     (each against the same priced plain decoding), the best fixed length and auto over it."""
     results: dict = {}
     for suite, rows in recording.items():
-        speedups: dict = defaultdict(lambda: defaultdict(list))
+        per_prompt = defaultdict(list)
         for row in rows:
             prompt, output = row["prompt"], row["output"][:new_tokens]
             for name, (parts, part_of) in drafters(chains[suite][row["id"]]).items():
-                plain = generation_seconds(prompt, output, parts, part_of, prices, 0, max_draft)
-                for k in (*FIXED_LENGTHS, None):
-                    seconds = generation_seconds(prompt, output, parts, part_of, prices, k, max_draft)
-                    speedups[name]["auto" if k is None else f"k={k}"].append(plain / seconds)
-        for name, by_length in speedups.items():
-            medians = {length: float(np.median(values)) for length, values in by_length.items()}
-            best = max((length for length in medians if length != "auto"), key=medians.__getitem__)
-            results.setdefault(name, {})[suite] = {
-                "median_speedup": medians,
-                "best_fixed": best,
-                "auto_over_best": medians["auto"] / medians[best],
-            }
+                per_prompt[name].append(speedups_by_length(prompt, output, parts, part_of, prices, max_draft))
+        for name, speedups in per_prompt.items():
+            results.setdefault(name, {})[suite] = auto_against_fixed(speedups)
     return results
 
 
@@ -181,13 +173,9 @@ def main(
                     proposals.setdefault(suite, {})[row["id"]] = chain
                     progress.advance(task)
     results = compare(recording, proposals, prices, new_tokens, max_draft)
-    names = [f"k={k}" for k in FIXED_LENGTHS] + ["auto"]
     for drafter, suites in results.items():
         click.echo(f"\n{drafter}: speedup over plain decoding (median over prompts), steps priced as measured")
-        click.echo(f"{'suite':14s} " + " ".join(f"{n:>6s}" for n in names) + "  auto / best fixed")
-        for suite, figures in suites.items():
-            cells = " ".join(f"{figures['median_speedup'][n]:6.3f}" for n in names)
-            click.echo(f"{suite:14s} {cells}  {figures['auto_over_best']:.3f} ({figures['best_fixed']})")
+        click.echo(speedup_table(suites))
     checked = check(engines, recording, proposals, new_tokens, check_count) if check_count else None
     if checked:
         click.echo(

@@ -140,7 +140,8 @@ class ModelDrafter:
             torch.stack(tokens, 1) if tokens else torch.zeros(len(sequences), 0, dtype=torch.int64, device=device)
         )
         self._cached = [len(s) for s in sequences]
-        self._fed = HostCopy(token_ids[:, :-1])  # the last draft is in no cache
+        if self.cache_from is None:  # a self-draft takes the target's keys and values instead
+            self._fed = HostCopy(token_ids[:, :-1])  # the last draft is in no cache
         probs = torch.stack(dists, 1) if dists else None
         return Draft(token_ids, probs, torch.stack(confidences, 1) if confidences else None)
 

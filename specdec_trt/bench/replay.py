@@ -118,6 +118,41 @@ def generation_seconds(
     return total
 
 
+def speedups_by_length(
+    prompt: list[int],
+    output: list[int],
+    parts: dict[str, Proposer],
+    part_of: Callable[[np.ndarray], str],
+    price: Price,
+    max_draft: int,
+) -> dict[str, float]:
+    """One generation's priced speedup over plain decoding for each of ``FIXED_LENGTHS`` ("k=N") and auto."""
+
+    def seconds(k: int | None) -> float:
+        return generation_seconds(prompt, output, parts, part_of, price, k, max_draft)
+
+    plain = seconds(0)
+    return {"auto" if k is None else f"k={k}": plain / seconds(k) for k in (*FIXED_LENGTHS, None)}
+
+
+def auto_against_fixed(per_prompt: Sequence[dict[str, float]]) -> dict:
+    """From each prompt's ``speedups_by_length``: the median speedup of each length over the prompts, the best
+    fixed length (chosen after the fact), and auto's median over that best one's."""
+    medians = {name: float(np.median([speedups[name] for speedups in per_prompt])) for name in per_prompt[0]}
+    best = max((name for name in medians if name != "auto"), key=medians.__getitem__)
+    return {"median_speedup": medians, "best_fixed": best, "auto_over_best": medians["auto"] / medians[best]}
+
+
+def speedup_table(by_suite: dict[str, dict]) -> str:
+    """``auto_against_fixed`` of each suite as a text table."""
+    names = [f"k={k}" for k in FIXED_LENGTHS] + ["auto"]
+    lines = [f"{'suite':14s} " + " ".join(f"{n:>6s}" for n in names) + "  auto / best fixed"]
+    for suite, figures in by_suite.items():
+        cells = " ".join(f"{figures['median_speedup'][n]:6.3f}" for n in names)
+        lines.append(f"{suite:14s} {cells}  {figures['auto_over_best']:.3f} ({figures['best_fixed']})")
+    return "\n".join(lines)
+
+
 def _stopped(proposal: Proposal, stop: Callable[[torch.Tensor], bool]) -> Proposal:
     """The proposal cut after the first token at which ``stop`` ends the round (that token kept), as the
     model drafter does."""
