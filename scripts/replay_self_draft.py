@@ -1,5 +1,5 @@
-"""The int4 self-draft, alone and behind prompt lookup (the default drafter), replayed on recorded greedy outputs:
-auto draft lengths against fixed ones, with no timing noise in the comparison.
+"""The int4 self-draft, alone and behind prompt lookup (the default drafter), replayed on recorded greedy or
+sampled outputs: auto draft lengths against fixed ones, with no timing noise in the comparison.
 
 For every committed length of each recorded greedy continuation (``replay_prompt_lookup.py`` makes the
 recording), the self-draft's greedy proposals and its confidence in each are computed once on the engines,
@@ -9,12 +9,22 @@ pass, timed on the engines at a few context lengths, and the decoder's own ``Dra
 its cost-aware stop on the draft's calibrated confidence) is fed each round as the decoder feeds it. The
 decoder's sub-millisecond work per round and prompt lookup's ~0.1 ms are left out.
 
+A sampled recording (``replay_prompt_lookup.py --temperature``) is replayed exactly in distribution
+(``specdec_trt.bench.replay``): along each sampled continuation the self-draft's chance of being accepted at
+every drafted position is computed once per committed length, each position gets one uniform number that
+every draft length shares, and when auto's stop rule asks about drafts after a rejected one the draft
+samples them on the engines (``sampled_continuation``).
+
 ``--check N`` runs the real decoder at k=4 on the first N prompts of each suite and compares its rounds with
-the replay's: the replay's proposals come from a batched pass over a full-sequence cache, the decoder's from
-its own rounds, so floating-point differences may rarely flip a drafted token.
+the replay's: for greedy output round for round (the replay's proposals come from a batched pass over a
+full-sequence cache, the decoder's from its own rounds, so floating-point differences may rarely flip a
+drafted token); for sampled output, which the decoder samples afresh, by the acceptance at each draft
+position over all the prompts' seeds.
 
     .venv/bin/python scripts/replay_self_draft.py --recorded results/lookup_greedy_recording.json
     .venv/bin/python scripts/replay_self_draft.py --recorded ... --chains results/self_draft_replay.json --costs ...
+    .venv/bin/python scripts/replay_self_draft.py --recorded results/lookup_sampled_recording.json --limit 6 \
+        --costs results/self_draft_replay.json --check 2 --out results/self_draft_replay_sampled.json
 """
 
 from __future__ import annotations
@@ -22,25 +32,31 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import click
 import numpy as np
+import torch
 from rich.console import Console
 from rich.progress import Progress
 
 from build_engines.manifest import read_manifest
+from runtime.ort_engine import OrtEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     COST_CONTEXTS,
     ModelChains,
-    Proposal,
     Proposer,
+    SampledChains,
     StepPrices,
     auto_against_fixed,
     fixed_length_rounds,
+    lookup_proposer,
     measure_step_prices,
     record_model_chains,
+    record_sampled_chains,
+    sampled_continuation,
     speedup_table,
     speedups_by_length,
 )
@@ -49,62 +65,123 @@ from specdec_trt.cli import default_engines
 from specdec_trt.drafting import LOOKUP, LOOKUP_FIRST_MIN_NGRAM, MODEL, PromptLookupDrafter
 
 CHECK_LENGTH = 4
+Chains = ModelChains | SampledChains
 
 
-def drafters(chains: ModelChains) -> dict[str, tuple[dict[str, Proposer], Callable[[np.ndarray], str]]]:
-    """{name: (parts, part_of)}: the self-draft alone, prompt lookup first (as ``LookupFirstDrafter``), and
-    prompt lookup alone."""
+def row_key(row: dict) -> str:
+    """A recorded continuation's key: its prompt's id, and for a sampled one its seed."""
+    return f"{row['id']}/seed {row['seed']}" if row.get("temperature") else row["id"]
+
+
+def row_params(row: dict, new_tokens: int) -> SamplingParams:
+    """The sampling a recorded continuation was made with (EOS ignored, as the recording ignored it)."""
+    temperature = row.get("temperature", 0.0)
+    return SamplingParams(new_tokens, temperature, seed=row["seed"] if temperature else None, ignore_eos=True)
+
+
+def record_chains(target: OrtEngine, draft: OrtEngine, row: dict, new_tokens: int, max_draft: int) -> Chains:
+    """The self-draft's proposals along one recorded continuation: greedy, or sampled as it was sampled."""
+    sequence, first = row["prompt"] + row["output"][:new_tokens], len(row["prompt"]) + 1
+    params = row_params(row, new_tokens)
+    if params.greedy:
+        return record_model_chains(target, draft, sequence, first, max_draft)
+    generator = torch.Generator().manual_seed(params.seed)
+    return record_sampled_chains(target, draft, sequence, first, max_draft, params, generator)
+
+
+def model_proposer(chains: Chains, row: dict, new_tokens: int, target: OrtEngine, draft: OrtEngine) -> Proposer:
+    """The self-draft replayed on one recorded continuation; a sampled one with its own coins (one uniform
+    number per position, seeded by the continuation's seed) and the draft's continuation after a rejection."""
+    if isinstance(chains, ModelChains):
+        return chains.proposer()
+    sequence, params = row["prompt"] + row["output"][:new_tokens], row_params(row, new_tokens)
+    coins = np.random.default_rng([params.seed, 1]).random(len(sequence))
+    return chains.proposer(coins, sampled_continuation(target, draft, sequence, params, params.seed))
+
+
+def drafters(model: Proposer) -> dict[str, tuple[dict[str, Proposer], Callable[[np.ndarray], str]]]:
+    """{name: (parts, part_of)}: the self-draft (``model``) alone, prompt lookup first (as
+    ``LookupFirstDrafter``), and prompt lookup alone."""
     lookup = PromptLookupDrafter()
     first = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM)
-    model = chains.proposer()
     return {
         "int4": ({MODEL: model}, lambda committed: MODEL),
         "lookup-first": (
-            {LOOKUP: lambda committed, length: Proposal(first.lookup(committed, length)), MODEL: model},
+            {LOOKUP: lookup_proposer(first), MODEL: model},
             lambda committed: LOOKUP if len(first.lookup(committed, 1)) else MODEL,
         ),
-        "lookup": ({LOOKUP: lambda committed, length: Proposal(lookup.lookup(committed, length))}, lambda _: LOOKUP),
+        "lookup": ({LOOKUP: lookup_proposer(lookup)}, lambda _: LOOKUP),
     }
 
 
-def compare(recording: dict, chains: dict, prices: StepPrices, new_tokens: int, max_draft: int) -> dict:
-    """Per drafter and suite: median over prompts of each fixed length's and auto's speedup over plain decoding
-    (each against the same priced plain decoding), the best fixed length and auto over it."""
+def compare(
+    recording: dict, proposers: Callable[[str, dict], Proposer], prices: StepPrices, new_tokens: int, max_draft: int
+) -> dict:
+    """Per drafter and suite: median over the recorded continuations of each fixed length's and auto's speedup
+    over plain decoding (each against the same priced plain decoding), the best fixed length and auto over
+    it. ``proposers(suite, row)`` gives the self-draft on a continuation."""
     results: dict = {}
     for suite, rows in recording.items():
         per_prompt = defaultdict(list)
         for row in rows:
             prompt, output = row["prompt"], row["output"][:new_tokens]
-            for name, (parts, part_of) in drafters(chains[suite][row["id"]]).items():
+            for name, (parts, part_of) in drafters(proposers(suite, row)).items():
                 per_prompt[name].append(speedups_by_length(prompt, output, parts, part_of, prices, max_draft))
         for name, speedups in per_prompt.items():
             results.setdefault(name, {})[suite] = auto_against_fixed(speedups)
     return results
 
 
-def check(engines: Path, recording: dict, chains: dict, new_tokens: int, count: int) -> dict:
-    """The real decoder at k=4 (self-draft alone) against the replay's rounds, first ``count`` prompts a suite."""
+def per_position(drafted: np.ndarray, accepted: np.ndarray) -> list[float]:
+    return [round(float(a / d), 4) for a, d in zip(accepted, drafted)]
+
+
+def check(
+    engines: Path, recording: dict, proposers: Callable[[str, dict], Proposer], new_tokens: int, count: int
+) -> dict:
+    """The real decoder at k=4 (self-draft alone) against the replay's rounds, first ``count`` prompts a suite:
+    greedy, the same rounds prompt by prompt; sampled, the same acceptance per draft position in aggregate
+    (the decoder samples anew, with seeds the recording did not use)."""
     decoder = SpeculativeDecoder.from_engines(engines)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    same, rounds_real, rounds_replayed, prompts = 0, 0, 0, 0
+    same, prompts = 0, 0
+    totals = {side: np.zeros((2, CHECK_LENGTH)) for side in ("decoder", "replay")}  # drafted, accepted
+    rounds = {"decoder": 0, "replay": 0}
+    ids = {suite: list(dict.fromkeys(row["id"] for row in rows))[:count] for suite, rows in recording.items()}
     for suite, rows in recording.items():
-        for row in rows[:count]:
-            output = row["output"][:new_tokens]
+        for row in (row for row in rows if row["id"] in ids[suite]):
+            output, params = row["output"][:new_tokens], row_params(row, new_tokens)
+            if not params.greedy:
+                params = replace(params, seed=params.seed + 1_000_000)
             real = decoder.generate(row["prompt"], params, num_draft_tokens=CHECK_LENGTH)
-            if real.token_ids != output:
+            if params.greedy and real.token_ids != output:
                 raise click.ClickException(
                     f"{suite} {row['id']}: the engines' greedy output differs from the recording"
                 )
-            propose = chains[suite][row["id"]].proposer()
-            replayed = fixed_length_rounds(row["prompt"], output, propose, CHECK_LENGTH, MODEL)
-            accepted = [0] * CHECK_LENGTH
-            for round_ in replayed:
-                for i in range(round_.accepted):
-                    accepted[i] += 1
+            replayed = fixed_length_rounds(row["prompt"], output, proposers(suite, row), CHECK_LENGTH, MODEL)
+            drafted = [sum(r.drafted > i for r in replayed) for i in range(CHECK_LENGTH)]
+            accepted = [sum(r.accepted > i for r in replayed) for i in range(CHECK_LENGTH)]
+            real_counts = (real.stats.drafted_per_position, real.stats.accepted_per_position)
+            totals["decoder"] += np.array([c[:CHECK_LENGTH] + [0] * (CHECK_LENGTH - len(c)) for c in real_counts])
+            totals["replay"] += np.array([drafted, accepted])
             prompts += 1
-            same += accepted == real.stats.accepted_per_position[:CHECK_LENGTH] and len(replayed) == real.stats.rounds
-            rounds_real, rounds_replayed = rounds_real + real.stats.rounds, rounds_replayed + len(replayed)
-    return {"prompts": prompts, "identical": same, "rounds_decoder": rounds_real, "rounds_replay": rounds_replayed}
+            same += (len(replayed), accepted) == (real.stats.rounds, real.stats.accepted_per_position[:CHECK_LENGTH])
+            rounds["decoder"], rounds["replay"] = (
+                rounds["decoder"] + real.stats.rounds,
+                rounds["replay"] + len(replayed),
+            )
+    checked = {"continuations": prompts, "rounds_decoder": rounds["decoder"], "rounds_replay": rounds["replay"]}
+    if all(row_params(row, new_tokens).greedy for rows in recording.values() for row in rows):
+        return {"prompts": prompts, "identical": same, **checked}
+    acceptance = {side: per_position(*counts) for side, counts in totals.items()}
+    drafts = totals["decoder"][0]
+    return {**checked, "acceptance_per_position": acceptance, "decoder_drafts_per_position": drafts.tolist()}
+
+
+def load_chains(path: Path) -> dict[str, dict[str, Chains]]:
+    """The proposals an earlier run wrote (its --out)."""
+    saved = json.loads(path.read_text())["chains"]
+    kind = {True: SampledChains, False: ModelChains}
+    return {s: {key: kind["accept" in c](**c) for key, c in rows.items()} for s, rows in saved.items()}
 
 
 @click.command()
@@ -114,10 +191,10 @@ def check(engines: Path, recording: dict, chains: dict, new_tokens: int, count: 
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     default=Path("results/lookup_greedy_recording.json"),
     show_default=True,
-    help="Greedy recording of the bench prompts (replay_prompt_lookup.py writes one).",
+    help="Greedy or sampled recording of the bench prompts (replay_prompt_lookup.py writes one).",
 )
 @click.option("--new-tokens", default=128, show_default=True, help="Tokens of each recorded continuation to replay.")
-@click.option("--limit", type=int, help="Replay only the first N prompts of each suite.")
+@click.option("--limit", type=int, help="Replay only the first N prompts of each suite (every seed of each).")
 @click.option(
     "--chains",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
@@ -146,10 +223,14 @@ def main(
     check_count: int,
     out: Path,
 ) -> None:
-    """Replay the int4 self-draft and lookup-first on greedy recordings of the bench suites: auto against fixed
-    draft lengths, with draft and verify steps priced as measured on the engines."""
+    """Replay the int4 self-draft and lookup-first on greedy or sampled recordings of the bench suites: auto
+    against fixed draft lengths, with draft and verify steps priced as measured on the engines."""
     engines = engines or default_engines(Console(stderr=True))
-    recording = {s: rows[:limit] for s, rows in json.loads(recorded.read_text()).items() if s in SUITES}
+    recording = {}
+    for suite, rows in json.loads(recorded.read_text()).items():
+        if suite in SUITES:
+            kept = list(dict.fromkeys(row["id"] for row in rows))[:limit]
+            recording[suite] = [row for row in rows if row["id"] in kept]
     max_draft = read_manifest(engines, verify_files=False).target.max_draft_len
     decoder = SpeculativeDecoder.from_engines(engines)
     target, draft = decoder.target, decoder.drafter.engine
@@ -160,35 +241,50 @@ def main(
         # Timed first, before this script has loaded the machine with anything else.
         prices = measure_step_prices(target, draft, max_draft + 1, COST_CONTEXTS, cost_repeats)
     if chains is not None:
-        saved = json.loads(chains.read_text())["chains"]
-        proposals = {s: {i: ModelChains(**c) for i, c in rows.items()} for s, rows in saved.items()}
+        proposals = load_chains(chains)
     else:
         proposals = {}
         with Progress(console=Console(stderr=True)) as progress:
             task = progress.add_task("self-draft proposals", total=sum(len(rows) for rows in recording.values()))
             for suite, rows in recording.items():
                 for row in rows:
-                    sequence = row["prompt"] + row["output"][:new_tokens]
-                    chain = record_model_chains(target, draft, sequence, len(row["prompt"]) + 1, max_draft)
-                    proposals.setdefault(suite, {})[row["id"]] = chain
+                    chain = record_chains(target, draft, row, new_tokens, max_draft)
+                    proposals.setdefault(suite, {})[row_key(row)] = chain
                     progress.advance(task)
-    results = compare(recording, proposals, prices, new_tokens, max_draft)
+
+    def proposers(suite: str, row: dict) -> Proposer:
+        return model_proposer(proposals[suite][row_key(row)], row, new_tokens, target, draft)
+
+    results = compare(recording, proposers, prices, new_tokens, max_draft)
     for drafter, suites in results.items():
-        click.echo(f"\n{drafter}: speedup over plain decoding (median over prompts), steps priced as measured")
+        click.echo(f"\n{drafter}: speedup over plain decoding (median over continuations), steps priced as measured")
         click.echo(speedup_table(suites))
-    checked = check(engines, recording, proposals, new_tokens, check_count) if check_count else None
-    if checked:
+    checked = check(engines, recording, proposers, new_tokens, check_count) if check_count else None
+    if checked and "identical" in checked:
         click.echo(
             f"\ncheck at k={CHECK_LENGTH}: {checked['identical']} of {checked['prompts']} prompts with the decoder's "
             f"rounds and acceptances; rounds {checked['rounds_replay']} replayed, {checked['rounds_decoder']} decoded"
         )
+    elif checked:
+        click.echo(
+            f"\ncheck at k={CHECK_LENGTH} over {checked['continuations']} sampled continuations, acceptance per draft "
+            f"position: decoder {checked['acceptance_per_position']['decoder']}, replay "
+            f"{checked['acceptance_per_position']['replay']}; rounds {checked['rounds_replay']} replayed, "
+            f"{checked['rounds_decoder']} decoded"
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
+    rows = [row for suite_rows in recording.values() for row in suite_rows]
     document = {
         "new_tokens": new_tokens,
+        "sampling": {
+            "temperature": rows[0].get("temperature", 0.0),
+            "continuations": len(rows),
+            "prompts": len({(row["id"], tuple(row["prompt"])) for row in rows}),
+        },
         "prices": {"contexts": list(prices.contexts), "verify": prices.verify, "draft": prices.draft},
         "results": results,
         "check": checked,
-        "chains": {s: {i: vars(c) for i, c in rows.items()} for s, rows in proposals.items()},
+        "chains": {s: {key: vars(c) for key, c in rows.items()} for s, rows in proposals.items()},
     }
     out.write_text(json.dumps(document))
     click.echo(f"Wrote {out}")

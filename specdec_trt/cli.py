@@ -99,8 +99,8 @@ engines_option = click.option(
     type=DraftLengthType(),
     help="Tokens drafted per round (gamma); 0 is plain decoding on the same engine; 'auto' chooses gamma "
     "every round from the acceptance and costs measured so far (up to what the engines were built for, or "
-    "8 with --target); a model draft then stops where its calibrated confidence says one more token no "
-    "longer pays. "
+    "8 with --target), and a round stops where the draft's calibrated confidence (prompt lookup's: how long "
+    "the repeat it copies has run) says one more token no longer pays. "
     "[default: auto for the default draft of engines (see --draft); else 5, at most what the engines were "
     "built for]",
 )

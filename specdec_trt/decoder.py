@@ -26,7 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from runtime.engine import ContextOverflowError, Engine
 from runtime.transfer import HostCopy, to_device
-from specdec_trt.drafting import Draft, Drafter, StopRule, confidence_below
+from specdec_trt.drafting import LOOKUP, Draft, Drafter, StopRule, confidence_below
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import greedy_verify, rejection_sample
 from specdec_trt.sampling import BatchSampler, SamplingParams
@@ -123,8 +123,8 @@ class SpeculativeDecoder:
     ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline;
     ``"auto"`` picks the draft length each round (see the module docstring). ``draft_confidence_threshold``
     replaces auto's cost-aware stop with a fixed cut-off (as transformers' ``assistant_confidence_threshold``):
-    drafting rounds run up to the limit and end after a token the draft gave less than this probability in
-    every row (0: never).
+    a model draft's rounds run up to the limit and end after a token the draft gave less than this probability
+    in every row (0: never); prompt lookup's rounds draft the length auto chooses.
     A decoder runs one generation (or batch) at a time: its engines hold that batch's KV caches.
     """
 
@@ -321,7 +321,7 @@ class SpeculativeDecoder:
             active = [not r.finished for r in requests]
             usable = max(r.remaining for r in requests if not r.finished) - 1
             sequences = [r.sequence for r in requests]
-            schedule = None
+            schedule, part = None, None
             if gamma == AUTO:
                 part = self.drafter.part(sequences)
                 if part not in schedules:
@@ -329,7 +329,7 @@ class SpeculativeDecoder:
                 schedule = schedules[part]
             num_drafts = schedule.choose(active, usable) if schedule else min(gamma, usable)
             tick = time.perf_counter()
-            draft = self._draft(sequences, num_drafts, sampler, self._stop_rule(schedule, active))
+            draft = self._draft(sequences, num_drafts, sampler, self._stop_rule(schedule, part, active))
             tock = time.perf_counter()
             # Queued now, read after the round's sync: reading the confidences would otherwise sync again.
             confidence = None if draft.confidence is None else HostCopy(draft.confidence.float())
@@ -363,14 +363,17 @@ class SpeculativeDecoder:
                 total_s,
             )
 
-    def _stop_rule(self, schedule: DraftLengthController | None, active: list[bool]) -> StopRule | None:
+    def _stop_rule(
+        self, schedule: DraftLengthController | None, part: str | None, active: list[bool]
+    ) -> StopRule | None:
         """Fixed gamma: none (exactly gamma drafts, no confidence). Auto: the controller's cost-aware stop, or
-        the fixed cut-off ``draft_confidence_threshold``."""
+        the fixed cut-off ``draft_confidence_threshold`` for a model draft (a probability threshold means
+        nothing for prompt lookup's rounds, which then draft the chosen length)."""
         if schedule is None:
             return None
         if self.draft_confidence_threshold is None:
             return schedule.stop_rule(active)
-        return confidence_below(self.draft_confidence_threshold)
+        return None if part == LOOKUP else confidence_below(self.draft_confidence_threshold)
 
     def _draft(
         self, sequences: list[list[int]], num_drafts: int, sampler: BatchSampler, stop_rule: StopRule | None

@@ -4,12 +4,13 @@ A drafter sees the committed sequences (prompt + accepted output, whose last tok
 cache) and returns the drafted ids with the distributions they were sampled from (None when the drafts
 are deterministic, as for prompt lookup or an all-greedy batch: q is then one-hot on the drafted token).
 
-Given a stop rule, a model drafter reports the confidence of every token it drafted (its own probability of
-the token, so the caller can learn how well that confidence predicts acceptance) and asks the rule after
-each token whether to end the round there. This keeps decoding lossless: how many tokens are drafted depends
-only on the draft's own samples and logits (and on the committed prefix and earlier rounds), never on the
-target's verdict on this round, so every drafted token is still a sample from the q it reports, and the
-rejection sampler's guarantee holds for any draft length chosen that way.
+Given a stop rule, a drafter reports the confidence of every token it drafted (a model draft: its own
+probability of the token; prompt lookup: ``lookup_confidence`` of its match), so the caller can learn how well
+that confidence predicts acceptance, and asks the rule after each token whether to end the round there. This
+keeps decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits (and on
+the committed prefix and earlier rounds), never on the target's verdict on this round, so every drafted token
+is still a sample from the q it reports, and the rejection sampler's guarantee holds for any draft length
+chosen that way.
 """
 
 from __future__ import annotations
@@ -35,6 +36,15 @@ StopRule = Callable[[torch.Tensor], bool]
 def confidence_below(threshold: float) -> StopRule:
     """A fixed cut-off: end the round after a token whose confidence is below ``threshold`` in every row."""
     return lambda confidence: bool((confidence < threshold).all())
+
+
+def lookup_confidence(match_length: int, count: int) -> np.ndarray:
+    """Prompt lookup's confidence in the ``count`` tokens it copies after a match of ``match_length`` tokens:
+    the i-th copied token continues a repeat of ``match_length + i`` tokens if the ones before it were right,
+    and a repeat that has gone on for m tokens goes on with chance about m / (m + 1) (Laplace's rule of
+    succession). Auto calibrates it online against the verifier, as a model draft's own probability."""
+    run = match_length + np.arange(count)
+    return run / (run + 1.0)
 
 
 @dataclass(frozen=True)
@@ -212,31 +222,50 @@ class PromptLookupDrafter:
         sampler: BatchSampler,
         stop_rule: StopRule | None = None,
     ) -> Draft:
-        """Prompt lookup has no distribution of its own: ``stop_rule`` is ignored."""
-        return self.draft_from(self.lookups(sequences, num_tokens), sequences)
+        """Given a ``stop_rule``, the copied tokens report ``lookup_confidence`` and the round ends after the
+        first token the rule stops at (``sampler`` is not needed: the drafts are deterministic)."""
+        return self.draft_from(self.matches(sequences, num_tokens), sequences, stop_rule)
 
-    def lookups(self, sequences: Sequence[Sequence[int]], num_tokens: int) -> list[np.ndarray]:
-        """Each row's looked-up tokens (``lookup``), empty where it finds no match."""
-        return [self.lookup(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
+    def matches(self, sequences: Sequence[Sequence[int]], num_tokens: int) -> list[tuple[int, np.ndarray]]:
+        """Each row's ``match``: (match length, looked-up tokens), (0, empty) where it finds none."""
+        return [self.match(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
 
-    def draft_from(self, proposals: Sequence[np.ndarray], sequences: Sequence[Sequence[int]]) -> Draft:
-        """The batch's draft from each row's looked-up tokens."""
-        width = max(len(p) for p in proposals)
+    def draft_from(
+        self,
+        matches: Sequence[tuple[int, np.ndarray]],
+        sequences: Sequence[Sequence[int]],
+        stop_rule: StopRule | None = None,
+    ) -> Draft:
+        """The batch's draft from each row's match; given a ``stop_rule``, cut where it stops and with the
+        tokens' confidence (0 for padding)."""
+        width = max(len(tokens) for _, tokens in matches)
         # Rows with shorter matches are padded; any deterministic draft is lossless, padding only costs
         # the verify positions the longest row needs anyway.
         rows = [
-            np.pad(p, (0, width - len(p)), mode="edge") if len(p) else np.full(width, s[-1])
-            for p, s in zip(proposals, sequences)
+            np.pad(tokens, (0, width - len(tokens)), mode="edge") if len(tokens) else np.full(width, s[-1])
+            for (_, tokens), s in zip(matches, sequences)
         ]
+        confidence = None
+        if stop_rule is not None:
+            confidence = torch.zeros(len(matches), width)
+            for row, (length, tokens) in enumerate(matches):
+                confidence[row, : len(tokens)] = torch.from_numpy(lookup_confidence(length, len(tokens)))
+            width = next((i + 1 for i in range(width) if stop_rule(confidence[:, i])), width)
+            confidence = confidence[:, :width]
         token_ids = (
-            torch.from_numpy(np.stack(rows)).to(self.device)
+            torch.from_numpy(np.stack(rows)[:, :width]).to(self.device)
             if width
             else torch.zeros(len(sequences), 0, dtype=torch.int64, device=self.device)
         )
-        return Draft(token_ids, None)
+        return Draft(token_ids, None, confidence)
 
     def lookup(self, sequence: np.ndarray, num_tokens: int) -> np.ndarray:
         """Up to ``num_tokens`` tokens that followed the latest earlier match of the sequence's suffix."""
+        return self.match(sequence, num_tokens)[1]
+
+    def match(self, sequence: np.ndarray, num_tokens: int) -> tuple[int, np.ndarray]:
+        """The longest suffix (``max_ngram`` down to ``min_ngram`` tokens) that occurred earlier, and up to
+        ``num_tokens`` tokens that followed its latest occurrence; (0, empty) if there is none."""
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(sequence) <= n or num_tokens == 0:
                 continue
@@ -244,8 +273,8 @@ class PromptLookupDrafter:
             matches = np.flatnonzero((windows == sequence[-n:]).all(axis=1))
             if len(matches):
                 start = matches[-1] + n
-                return sequence[start : start + num_tokens]
-        return sequence[:0]
+                return n, sequence[start : start + num_tokens]
+        return 0, sequence[:0]
 
 
 class LookupFirstDrafter:
@@ -271,7 +300,7 @@ class LookupFirstDrafter:
         self.model.begin(prompt_ids, lengths)
 
     def part(self, sequences: Sequence[Sequence[int]]) -> str:
-        return LOOKUP if all(len(p) for p in self.lookup.lookups(sequences, 1)) else MODEL
+        return LOOKUP if all(length for length, _ in self.lookup.matches(sequences, 1)) else MODEL
 
     def propose(
         self,
@@ -280,7 +309,7 @@ class LookupFirstDrafter:
         sampler: BatchSampler,
         stop_rule: StopRule | None = None,
     ) -> Draft:
-        proposals = self.lookup.lookups(sequences, num_tokens)
-        if all(len(p) for p in proposals):
-            return self.lookup.draft_from(proposals, sequences)
+        matches = self.lookup.matches(sequences, num_tokens)
+        if all(length for length, _ in matches):
+            return self.lookup.draft_from(matches, sequences, stop_rule)
         return self.model.propose(sequences, num_tokens, sampler, stop_rule)

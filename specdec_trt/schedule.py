@@ -22,9 +22,10 @@ of rejected drafts does not outlive the text it came from. The chosen gamma maxi
 0 .. min(max_draft, tokens still needed). Gamma 0 (a plain target step) is allowed, but at least every
 ``probe_every``-th round drafts, so acceptance keeps being measured.
 
-A draft that reports its own confidence (a model draft: its probability of each token it drafted) drafts up
-to the limit whenever drafting pays, and the round ends once one more draft token is expected to add fewer
-tokens than it costs. The draft's confidence is calibrated online: judged draft tokens are binned by
+A draft that reports its confidence (a model draft: its probability of each token it drafted; prompt lookup:
+a confidence that grows with the length of the repeat each copied token continues) drafts up to the limit
+whenever drafting pays, and the round ends once one more draft token is expected to add fewer tokens than it
+costs. The draft's confidence is calibrated online: judged draft tokens are binned by
 confidence, and each bin's acceptance is estimated the same decayed way, starting from the bin's own
 confidence (a draft accepted as often as it is confident) and moving to what the verifier measures.
 After each drafted token, S_r, the chance that row r's drafts so far are all accepted, is multiplied by the
@@ -32,8 +33,7 @@ calibrated acceptance of that token; the next token would add sum_r S_r p_r expe
 (c + b) seconds, worth rate * (c + b) tokens at the best rate the model predicts, and the round stops when
 it would add fewer. Acceptance is bursty in the text (hard tokens come in clusters, easy stretches run
 long), and the draft's confidence sees it token by token, where a length chosen before the round cannot.
-Prompt lookup reports no confidence and drafts the chosen gamma. The controller is deterministic given its
-observations.
+The controller is deterministic given its observations.
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def test_lookup_first_drafts_are_lossless(checkpoints, reference_models, monkeyp
     )
     first_round = len(PROMPT) + 1  # the prompt and the token sampled from the prefill's logits
     monkeypatch.setattr(
-        decoder.drafter.lookup, "lookup", lambda seq, k: seq[-3:][:k] if len(seq) == first_round else seq[:0]
+        decoder.drafter.lookup, "match", lambda seq, k: (3, seq[-3:][:k]) if len(seq) == first_round else (0, seq[:0])
     )
     rounds: list[str] = []
     lookup, model = decoder.drafter.lookup, decoder.drafter.model

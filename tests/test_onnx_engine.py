@@ -11,9 +11,10 @@ follow the target's exact distribution.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
@@ -21,6 +22,7 @@ import torch
 from click.testing import CliRunner
 from conftest import FAMILIES
 from onnx import numpy_helper
+from scipy import stats
 from test_build import SIZE, build_all
 from test_greedy_equivalence import (
     assert_auto_greedy_lossless,
@@ -30,6 +32,7 @@ from test_greedy_equivalence import (
 )
 from test_losslessness import (
     PASS_P,
+    PROMPT,
     REJECT_P,
     VOCAB,
     WARPINGS,
@@ -48,7 +51,17 @@ from build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
 from runtime.ort_engine import PROVIDERS, OrtEngine, ProviderUnavailableError
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.replay import fixed_length_rounds, record_model_chains
+from specdec_trt.bench.replay import (
+    ModelChains,
+    Proposer,
+    Round,
+    SampledChains,
+    fixed_length_rounds,
+    generation_seconds,
+    record_model_chains,
+    record_sampled_chains,
+    sampled_continuation,
+)
 from specdec_trt.build import BuildRequest
 from specdec_trt.cli import run
 from specdec_trt.decoder import AUTO
@@ -250,6 +263,108 @@ def test_replayed_self_draft_rounds_equal_the_decoder_rounds(gamma: int, engine_
         assert accepted == real.stats.accepted_per_position, prompt
         total_accepted += sum(accepted)
     assert total_accepted > 0, "the int4 self-draft should be accepted sometimes"
+
+
+def run_shape(rounds: int, drafted: list[int], accepted: list[int]) -> tuple:
+    """A generation's rounds and its drafted and accepted tokens per draft position, as one category."""
+    return rounds, tuple(drafted), tuple(accepted)
+
+
+def replayed_shape(output: list[int], parts: dict[str, Proposer], gamma: int | str) -> tuple:
+    """``run_shape`` of ``output`` replayed after ``PROMPT`` with ``parts`` drafting ``gamma`` a round (auto:
+    the decoder's controller, on the 1 ms a reading of the steady clock gives every draft and verify)."""
+    replayed: list[Round] = []
+
+    def steady_price(round_: Round) -> tuple[float, float]:
+        replayed.append(round_)
+        return 1e-3, 1e-3
+
+    k = None if gamma == AUTO else gamma
+    generation_seconds(PROMPT, output, parts, lambda _: MODEL, steady_price, k, LOSSLESS_DRAFTS)
+    drafted = [sum(r.drafted > i for r in replayed) for i in range(LOSSLESS_DRAFTS)]
+    return run_shape(len(replayed), drafted, [sum(r.accepted > i for r in replayed) for i in range(LOSSLESS_DRAFTS)])
+
+
+def homogeneity_p(first: Counter, second: Counter) -> float:
+    """Chi-square test that two samples of categories come from one distribution; categories seen fewer than
+    10 times in both samples together are pooled into one."""
+    categories = sorted(set(first) | set(second), key=lambda c: first[c] + second[c], reverse=True)
+    common = [c for c in categories if first[c] + second[c] >= 10]
+    rare = [c for c in categories if first[c] + second[c] < 10]
+    table = [
+        [sample[c] for c in common] + ([sum(sample[c] for c in rare)] if rare else []) for sample in (first, second)
+    ]
+    return float(stats.chi2_contingency(table).pvalue)
+
+
+SAMPLED_REPLAY = SamplingParams(max_new_tokens=7, temperature=0.8, top_k=5, ignore_eos=True)
+SAMPLED_REPLAY_RUNS = 1_000
+
+
+@dataclass
+class SampledRecording:
+    """A plain sampled continuation of ``PROMPT`` and what the replay needs of it: the int4 self-draft's
+    sampled chains along it, its coins, and (for the negative control) its greedy chains."""
+
+    seed: int
+    output: list[int]
+    sampled: SampledChains
+    coins: np.ndarray
+    greedy: ModelChains
+
+
+@pytest.fixture(scope="module")
+def sampled_recordings(lossless_int4: tuple[SpeculativeDecoder, torch.nn.Module]) -> list[SampledRecording]:
+    decoder, _ = lossless_int4
+    target, draft = decoder.target, decoder.drafter.engine
+    runs, first = SAMPLED_REPLAY_RUNS, len(PROMPT) + 1
+    params = [replace(SAMPLED_REPLAY, seed=runs + seed) for seed in range(runs)]  # not the speculative runs' seeds
+    generator = torch.Generator().manual_seed(0)
+    recordings = []
+    for seed, output in enumerate(decoder.generate_batch([PROMPT] * runs, params, 0)):
+        sequence = PROMPT + output.token_ids
+        greedy = record_model_chains(target, draft, sequence, first, LOSSLESS_DRAFTS, rows=8)
+        sampled = record_sampled_chains(
+            target, draft, sequence, first, LOSSLESS_DRAFTS, SAMPLED_REPLAY, generator, rows=8
+        )
+        coins = np.random.default_rng(seed).random(len(sequence))
+        recordings.append(SampledRecording(seed, output.token_ids, sampled, coins, greedy))
+    return recordings
+
+
+@pytest.mark.usefixtures("steady_clock")
+@pytest.mark.parametrize("gamma", [LOSSLESS_DRAFTS, AUTO])
+def test_replayed_sampled_self_draft_rounds_follow_the_decoder_in_distribution(
+    gamma: int | str,
+    lossless_int4: tuple[SpeculativeDecoder, torch.nn.Module],
+    sampled_recordings: list[SampledRecording],
+) -> None:
+    """The int4 self-draft sampling (temperature and top-k) at a fixed k and with auto (its stop rule reading
+    the confidence of drafts after a rejected one from ``sampled_continuation``), replayed on plain sampled
+    continuations by ``record_sampled_chains``, each drafted position accepted on a coin of chance
+    min(1, q(y) / p(y)): the replayed rounds (their count, and drafted and accepted tokens per draft
+    position) follow the distribution of the decoder's own speculative runs, by a chi-square test over 1,000
+    runs each. Negative control: the draft's greedy proposals replayed on the same sampled continuations,
+    as for greedy output, are rejected."""
+    decoder, _ = lossless_int4
+    target, draft = decoder.target, decoder.drafter.engine
+    # One request at a time: in a batch, every row drafts for the row with the most tokens left.
+    speculative = [
+        decoder.generate(PROMPT, replace(SAMPLED_REPLAY, seed=seed), gamma) for seed in range(SAMPLED_REPLAY_RUNS)
+    ]
+    decoded = Counter(
+        run_shape(o.stats.rounds, o.stats.drafted_per_position, o.stats.accepted_per_position) for o in speculative
+    )
+    replayed, as_greedy = Counter(), Counter()
+    for recording in sampled_recordings:
+        sequence = PROMPT + recording.output
+        after_rejected = sampled_continuation(target, draft, sequence, SAMPLED_REPLAY, recording.seed)
+        proposer = recording.sampled.proposer(recording.coins, after_rejected)
+        replayed[replayed_shape(recording.output, {MODEL: proposer}, gamma)] += 1
+        as_greedy[replayed_shape(recording.output, {MODEL: recording.greedy.proposer()}, gamma)] += 1
+    assert len(decoded) > 3, decoded  # rounds vary: some drafts are rejected
+    assert homogeneity_p(decoded, replayed) > PASS_P
+    assert homogeneity_p(decoded, as_greedy) < REJECT_P
 
 
 def test_adopt_prompt_cache_refuses_another_layout_or_an_empty_source(engine_dirs: dict[str, Path]) -> None:

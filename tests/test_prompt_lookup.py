@@ -1,11 +1,13 @@
-"""Prompt lookup's matching rules, and which part of lookup-first drafts, on plain token sequences."""
+"""Prompt lookup's matching rules, its confidence and stop rule, and which part of lookup-first drafts, on plain
+token sequences."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
-from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter
+from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, lookup_confidence
 from specdec_trt.loading import load_engines
 
 
@@ -36,6 +38,43 @@ def test_a_draft_stops_at_the_end_of_the_sequence_and_empty_without_a_match() ->
     assert lookup(drafter, [4, 5, 4], 5) == [5, 4]  # the match's continuation runs to the sequence's end
     assert lookup(drafter, [1, 2, 3], 4) == []
     assert lookup(drafter, [1, 1], 0) == []
+
+
+def test_the_match_length_comes_with_the_tokens() -> None:
+    drafter = PromptLookupDrafter()
+    sequence = np.asarray([1, 2, 3, 4, 5, 6, 3, 4, 9, 1, 2, 3, 4])
+    length, tokens = drafter.match(sequence, 2)
+    assert (length, tokens.tolist()) == (4, [5, 6])
+    assert drafter.match(np.asarray([1, 2, 3]), 2)[0] == 0
+
+
+def test_confidence_grows_with_the_repeat_a_token_continues() -> None:
+    np.testing.assert_allclose(lookup_confidence(1, 3), [1 / 2, 2 / 3, 3 / 4])
+    np.testing.assert_allclose(lookup_confidence(4, 2), [4 / 5, 5 / 6])
+    assert lookup_confidence(2, 0).shape == (0,)
+
+
+def test_a_stop_rule_sees_each_position_and_cuts_the_round() -> None:
+    """With a stop rule, every drafted position is shown to it with each row's confidence (0 where a row's
+    shorter match was padded); the round ends after the position it stops at. Without one, nothing is cut and
+    no confidence is reported."""
+    drafter = PromptLookupDrafter()
+    sequences = [[1, 2, 3, 4, 5, 6, 7, 1, 2], [8, 9, 8]]  # a 2-token match (5 tokens follow), a 1-token one (2)
+    seen: list[list[float]] = []
+
+    def stop_after_third(confidence: torch.Tensor) -> bool:
+        seen.append(confidence.tolist())
+        return len(seen) == 3
+
+    draft = drafter.propose(sequences, 5, sampler=None, stop_rule=stop_after_third)
+    assert draft.token_ids.tolist() == [[3, 4, 5], [9, 8, 8]]
+    expected = [[2 / 3, 3 / 4, 4 / 5], [1 / 2, 2 / 3, 0.0]]
+    torch.testing.assert_close(draft.confidence, torch.tensor(expected))
+    np.testing.assert_allclose(seen, np.transpose(expected), rtol=1e-6)
+    never = drafter.propose(sequences, 5, sampler=None, stop_rule=lambda confidence: False)
+    assert never.num_tokens == 5 and never.confidence.shape == (2, 5)
+    plain = drafter.propose(sequences, 5, sampler=None)
+    assert plain.token_ids.tolist() == never.token_ids.tolist() and plain.confidence is None
 
 
 @pytest.mark.parametrize(("max_ngram", "min_ngram"), [(2, 3), (2, 0)])

@@ -1,12 +1,17 @@
-"""Replayed greedy generations (``specdec_trt.bench.replay``): rounds, prices and auto's early stop, on made-up
-drafters whose every round is known in advance. The replay against the decoder's own rounds on real engines is
-in test_onnx_engine.py."""
+"""Replayed generations (``specdec_trt.bench.replay``): rounds, prices and auto's early stop, on made-up
+drafters whose every round is known in advance; and prompt lookup replayed on the decoder's own sampled output,
+at fixed lengths and with auto.
+The self-draft's replay against the decoder's own rounds on real engines is in test_onnx_engine.py."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
+from test_losslessness import steady_clock  # noqa: F401 - a fixture
 
+import specdec_trt.rejection
+from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     Proposal,
     Proposer,
@@ -14,9 +19,13 @@ from specdec_trt.bench.replay import (
     StepPrices,
     fixed_length_rounds,
     generation_seconds,
+    lookup_proposer,
     replay_rounds,
+    stopped,
 )
-from specdec_trt.drafting import LOOKUP, MODEL
+from specdec_trt.decoder import AUTO
+from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, StopRule
+from specdec_trt.loading import load_engines
 
 PROMPT = [1, 2, 3]
 OUTPUT = list(range(10, 40))  # 30 tokens: the first from the prefill, 29 from rounds
@@ -27,16 +36,18 @@ def oracle(confidence: float) -> Proposer:
     """A model draft that always proposes the recorded continuation, with a fixed confidence."""
     sequence = np.asarray(PROMPT + OUTPUT)
 
-    def propose(committed: np.ndarray, length: int) -> Proposal:
+    def propose(committed: np.ndarray, length: int, stop: StopRule | None) -> Proposal:
         tokens = sequence[len(committed) : len(committed) + length]
-        return Proposal(tokens, np.full(len(tokens), confidence))
+        return stopped(Proposal(tokens, np.full(len(tokens), confidence)), stop)
 
     return propose
 
 
 def always_wrong(confidence: float) -> Proposer:
     """A model draft that is never right (token 0 never occurs), with a fixed confidence."""
-    return lambda committed, length: Proposal(np.zeros(length, np.int64), np.full(length, confidence))
+    return lambda committed, length, stop: stopped(
+        Proposal(np.zeros(length, np.int64), np.full(length, confidence)), stop
+    )
 
 
 def test_rounds_accept_the_matching_prefix_and_commit_one_more() -> None:
@@ -92,3 +103,53 @@ def test_auto_drafts_long_when_right_and_stops_early_when_unconfident() -> None:
     assert seen[0].drafted == 4  # the controller's first round, before anything was measured
     assert all(r.drafted <= 1 for r in seen[1:]) and any(r.drafted == 1 for r in seen[1:])
     assert all(r.accepted == 0 for r in seen)
+
+
+def lookup_rounds_replayed(decoder: SpeculativeDecoder, k: int | str, seed: int) -> tuple[bool, int, int]:
+    """One sampled run of ``decoder`` (prompt lookup drafting ``k`` tokens a round, or auto on the steady clock)
+    and its output replayed the same way: whether the replay gives the run's rounds and per-position
+    acceptances, and its accepted and rejected drafts."""
+    prompt = [1, 5, 3, 6, 1, 5]
+    real = decoder.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0.8, seed=seed, ignore_eos=True))
+    replayed: list[Round] = []
+
+    def steady_price(round_: Round) -> tuple[float, float]:  # the 1 ms a reading that steady_clock gives
+        replayed.append(round_)
+        return 1e-3, 1e-3
+
+    parts = {LOOKUP: lookup_proposer(decoder.drafter)}
+    length = None if k == AUTO else k
+    generation_seconds(prompt, real.token_ids, parts, lambda _: LOOKUP, steady_price, length, decoder.max_auto_draft)
+    positions = len(real.stats.drafted_per_position)
+    drafted = [sum(r.drafted > i for r in replayed) for i in range(positions)]
+    accepted = [sum(r.accepted > i for r in replayed) for i in range(positions)]
+    same = (len(replayed), drafted, accepted) == (
+        real.stats.rounds,
+        real.stats.drafted_per_position,
+        real.stats.accepted_per_position,
+    )
+    return same, sum(accepted), sum(r.drafted > r.accepted for r in replayed)
+
+
+@pytest.mark.usefixtures("steady_clock")
+@pytest.mark.parametrize("k", [1, 3, 8, AUTO])
+def test_replayed_lookup_rounds_equal_the_decoder_rounds_when_sampling(
+    k: int | str, make_checkpoint, monkeypatch
+) -> None:
+    """Prompt lookup's drafts are deterministic (q one-hot), so rejection sampling accepts a drafted token
+    exactly when the token it emits there is that token: replaying a sampled run's own output at the same
+    draft length gives that run's rounds, which is what lets scripts/replay_prompt_lookup.py replay plain
+    samples; with auto too, where the decoder's controller stops rounds on lookup's confidence. An 8-token
+    vocabulary makes lookup match often, and be rejected often. Negative control: a sampler whose
+    replacement token is drawn from p, not from the residual, can emit the token it just rejected, and the
+    replay then miscounts."""
+    checkpoint = make_checkpoint(with_tokenizer=False, vocab_size=8, seed=11, logit_scale=1.5)
+    _, engine, _ = load_engines(checkpoint, None, max_context=64)
+    decoder = SpeculativeDecoder(engine, PromptLookupDrafter(), num_draft_tokens=k)
+    runs = [lookup_rounds_replayed(decoder, k, seed) for seed in range(4)]
+    assert all(same for same, _, _ in runs)
+    assert sum(a for _, a, _ in runs) > 0 and sum(r for _, _, r in runs) > 0, runs
+    monkeypatch.setattr(
+        specdec_trt.rejection, "recovery_distribution", lambda accepted, _ids, _q, p: p[torch.arange(len(p)), accepted]
+    )
+    assert not all(lookup_rounds_replayed(decoder, k, seed)[0] for seed in range(4))

@@ -11,7 +11,7 @@ from build_engines.checkpoint import load_checkpoint
 from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
-from specdec_trt.drafting import ModelDrafter, PromptLookupDrafter, confidence_below
+from specdec_trt.drafting import LOOKUP, MODEL, ModelDrafter, PromptLookupDrafter, confidence_below
 from specdec_trt.sampling import BatchSampler
 from specdec_trt.schedule import (
     CALIBRATION_SHRINK,
@@ -339,11 +339,16 @@ def test_auto_stops_early_and_fixed_gamma_never_does(drafters, make_checkpoint) 
     assert fixed.drafted_per_position == unlimited.drafted_per_position
 
 
-def test_prompt_lookup_ignores_the_threshold() -> None:
-    drafter = PromptLookupDrafter()
-    sampler = BatchSampler([SamplingParams()], torch.device("cpu"))
-    sequence = [1, 2, 3, 4, 5, 1, 2]
-    assert drafter.propose([sequence], 3, sampler, confidence_below(1.0)).token_ids.tolist() == [[3, 4, 5]]
+def test_prompt_lookup_ignores_the_threshold(make_checkpoint) -> None:
+    """A probability threshold cuts a model draft's rounds; prompt lookup's rounds, which have no probability
+    to cut at, get no stop rule and draft the length auto chooses."""
+    checkpoint = make_checkpoint(family="llama")
+    decoder = SpeculativeDecoder.from_pretrained(checkpoint, "ngram", draft_confidence_threshold=0.5)
+    schedule = DraftLengthController(MAX, 1)
+    assert decoder._stop_rule(schedule, LOOKUP, [True]) is None
+    rule = decoder._stop_rule(schedule, MODEL, [True])
+    assert rule(torch.tensor([0.4])) and not rule(torch.tensor([0.6]))
+    assert SpeculativeDecoder.from_pretrained(checkpoint, "ngram")._stop_rule(schedule, LOOKUP, [True]) is not None
 
 
 def test_auto_reserves_the_engine_limit_in_the_context_check(make_checkpoint) -> None:

@@ -105,8 +105,8 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     default="1,2,3,4,6,8",
     callback=_draft_lengths(AUTO),
     help="Draft lengths (gamma) to sweep, comma-separated; 'auto' chooses gamma every round from the "
-    "acceptance and costs measured so far; a model draft stops where its calibrated confidence says one more "
-    "token no longer pays.",
+    "acceptance and costs measured so far, and a round stops where the draft's calibrated confidence (prompt "
+    "lookup's: how long the repeat it copies has run) says one more token no longer pays.",
 )
 @click.option(
     "--peer-num-draft-tokens",

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding replayed on a recorded output: draft lengths compared without timing noise.
+"""Speculative decoding replayed on a recorded output: draft lengths compared without timing noise.
 
 Greedy output does not depend on the drafter, so one plain greedy continuation fixes every round a drafter
 would see: a round proposes up to k tokens after the committed text, keeps the prefix that equals the
@@ -8,12 +8,21 @@ confidence in each token, are recorded once per committed length (``record_model
 decoder's self-draft computes them. Each round is then priced by timed draft and verify steps, and the
 decoder's own ``DraftLengthController`` is fed each round's drafts, acceptances, confidences and price as
 the decoder feeds it, so auto and every fixed length are compared on identical rounds.
+
+Sampled output does not depend on the drafter either, in distribution: rejection sampling emits every token
+from the target's own distribution p. Given the token y it emits at a drafted position, the draft token
+there was accepted with probability min(p(y), q(y)) / p(y) (q: the distribution the draft sampled from),
+and when it was rejected it was a sample of norm(max(0, q - p)), never y. So a plain sampled continuation
+replays a sampled model draft exactly in distribution (``record_sampled_chains``): each drafted position is
+accepted on a coin with that probability, one uniform number per position of the continuation shared by
+every draft length compared. Prompt lookup's drafts are deterministic (q one-hot), so its coin is simply
+whether it drafted y.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -21,7 +30,8 @@ import torch
 from runtime.engine import Engine
 from runtime.ort_engine import OrtEngine
 from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
-from specdec_trt.drafting import MODEL
+from specdec_trt.drafting import MODEL, PromptLookupDrafter, StopRule
+from specdec_trt.sampling import BatchSampler, SamplingParams, sample_from
 from specdec_trt.schedule import DraftLengthController
 
 FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)  # the fixed draft lengths auto is compared with
@@ -30,7 +40,7 @@ COST_CONTEXTS = (100, 500, 1000, 1500, 2000)  # cached tokens at which steps are
 
 @dataclass(frozen=True)
 class Proposal:
-    """A round's drafted tokens and, for a model draft, its probability of each."""
+    """A round's drafted tokens and, where the drafter reports it, its confidence in each."""
 
     tokens: np.ndarray
     confidence: np.ndarray | None = None
@@ -51,14 +61,26 @@ class Round:
         return len(self.proposal.tokens)
 
 
-Proposer = Callable[[np.ndarray, int], Proposal]  # (committed tokens, tokens wanted) -> proposal
+Proposer = Callable[[np.ndarray, int, StopRule | None], Proposal]
+"""(committed tokens, tokens wanted, stop rule) -> proposal. As a drafter does, a proposal with confidences
+ends after the first token at which the stop rule (given by auto, else None) ends the round."""
 Price = Callable[[Round], tuple[float, float]]  # round -> (draft seconds, verify seconds)
+
+
+def lookup_proposer(drafter: PromptLookupDrafter) -> Proposer:
+    """Prompt lookup's proposals, made by ``drafter`` itself (with its confidence and stop under auto)."""
+
+    def propose(committed: np.ndarray, length: int, stop: StopRule | None) -> Proposal:
+        draft = drafter.propose([committed], length, None, stop)
+        return Proposal(draft.token_ids[0].numpy(), None if draft.confidence is None else draft.confidence[0].numpy())
+
+    return propose
 
 
 def replay_rounds(
     prompt: list[int], output: list[int], propose: Callable[[np.ndarray, int], tuple[str, Proposal]]
 ) -> Iterator[Round]:
-    """The rounds of the greedy generation ``output`` after ``prompt``. ``propose(committed, usable)`` gives
+    """The rounds of the recorded generation ``output`` after ``prompt``. ``propose(committed, usable)`` gives
     the round's drafting part and proposal, at most ``usable`` tokens (the tokens still needed, less the
     target's own)."""
     sequence = np.asarray(prompt + output)
@@ -75,7 +97,9 @@ def replay_rounds(
 
 def fixed_length_rounds(prompt: list[int], output: list[int], propose: Proposer, k: int, part: str) -> list[Round]:
     """The rounds of ``output`` when ``propose`` (the drafter's ``part``) drafts ``k`` tokens a round."""
-    return list(replay_rounds(prompt, output, lambda committed, usable: (part, propose(committed, min(k, usable)))))
+    return list(
+        replay_rounds(prompt, output, lambda committed, usable: (part, propose(committed, min(k, usable), None)))
+    )
 
 
 def generation_seconds(
@@ -87,25 +111,22 @@ def generation_seconds(
     k: int | None,
     max_draft: int,
 ) -> float:
-    """Priced seconds of one greedy generation when the drafter's ``parts`` (chosen each round by
+    """Priced seconds of one recorded generation when the drafter's ``parts`` (chosen each round by
     ``part_of(committed)``) draft ``k`` tokens a round (0: plain decoding), or, for ``k=None``, as many as
-    the decoder's auto controllers choose (one per part, as in the decoder): a part that reports its
-    confidence is asked for up to the limit and stopped by the controller's cost-aware rule."""
+    the decoder's auto controllers choose (one per part, as in the decoder), each part given the
+    controller's cost-aware stop rule."""
     controllers: dict[str, DraftLengthController] = {}
 
     def propose(committed: np.ndarray, usable: int) -> tuple[str, Proposal]:
         part = part_of(committed)
         if k is not None:
             length = min(k, usable)
-            return part, parts[part](committed, length) if length else Proposal(committed[:0])
+            return part, parts[part](committed, length, None) if length else Proposal(committed[:0])
         controller = controllers.setdefault(part, DraftLengthController(max_draft, 1))
         length = controller.choose([True], usable)
         if not length:
             return part, Proposal(committed[:0])
-        proposal = parts[part](committed, length)
-        if proposal.confidence is None:
-            return part, proposal
-        return part, _stopped(proposal, controller.stop_rule([True]))
+        return part, parts[part](committed, length, controller.stop_rule([True]))
 
     total = 0.0
     for round_ in replay_rounds(prompt, output, propose):
@@ -153,9 +174,11 @@ def speedup_table(by_suite: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-def _stopped(proposal: Proposal, stop: Callable[[torch.Tensor], bool]) -> Proposal:
+def stopped(proposal: Proposal, stop: StopRule | None) -> Proposal:
     """The proposal cut after the first token at which ``stop`` ends the round (that token kept), as the
-    model drafter does."""
+    model drafter does; unchanged without a rule."""
+    if stop is None:
+        return proposal
     for i, confidence in enumerate(proposal.confidence):
         if stop(torch.tensor([confidence])):
             return Proposal(proposal.tokens[: i + 1], proposal.confidence[: i + 1])
@@ -174,11 +197,12 @@ class ModelChains:
     def proposer(self) -> Proposer:
         """Proposals as the recorded draft makes them."""
 
-        def propose(committed: np.ndarray, length: int) -> Proposal:
+        def propose(committed: np.ndarray, length: int, stop: StopRule | None) -> Proposal:
             if not length:
                 return Proposal(committed[:0])
             i = len(committed) - self.first
-            return Proposal(np.asarray(self.tokens[i][:length]), np.asarray(self.confidence[i][:length]))
+            proposal = Proposal(np.asarray(self.tokens[i][:length]), np.asarray(self.confidence[i][:length]))
+            return stopped(proposal, stop)
 
         return propose
 
@@ -212,6 +236,144 @@ def record_model_chains(
             tokens.append(row_tokens[:depth])
             confidence.append([round(p, 6) for p in row_probability[:depth]])
     return ModelChains(first, tokens, confidence)
+
+
+Continuation = Callable[[int, int, int], Iterator[float]]
+"""(committed length, depth, rejected token) -> the draft's raw probability of each token it drafts after it."""
+UNJUDGED = -1  # a token drafted after a rejected one: the verifier never judges it, only its count matters
+
+
+@dataclass(frozen=True)
+class SampledChains:
+    """A sampled model draft along one sampled sequence: row i is the round after ``first + i`` committed
+    tokens, one entry per draft depth (up to ``max_draft`` or the tokens left). ``tokens``: the sequence's own
+    next tokens, which are the drafts where they were accepted; ``accept``: the chance min(1, q(y) / p(y))
+    that the draft there was accepted, given that the sequence goes on with that token y; ``confidence``: the
+    draft's raw probability of it; ``rejected`` and ``rejected_confidence``: a draft token drawn as a rejected
+    one is distributed (norm(max(0, q - p)); -1 where no draft can be rejected) and the draft's raw
+    probability of it."""
+
+    first: int
+    tokens: list[list[int]]
+    accept: list[list[float]]
+    confidence: list[list[float]]
+    rejected: list[list[int]]
+    rejected_confidence: list[list[float]]
+
+    def proposer(self, uniform: np.ndarray, after_rejected: Continuation | None = None) -> Proposer:
+        """Proposals as the sampled draft makes them: its draft of position t is accepted when ``uniform[t]``
+        is below the acceptance chance there. Drafts after a rejected one are never judged; a stop rule
+        still reads their confidence, which ``after_rejected`` gives (without a rule they are only counted)."""
+
+        def propose(committed: np.ndarray, length: int, stop: StopRule | None) -> Proposal:
+            if stop is not None and after_rejected is None:
+                raise ValueError("a stop rule reads the drafts after a rejected one: give after_rejected")
+            start, i = len(committed), len(committed) - self.first
+            tokens: list[int] = []
+            confidence: list[float] = []
+
+            def ends(token: int, value: float) -> bool:
+                tokens.append(token)
+                confidence.append(value)
+                stops = stop is not None and stop(torch.tensor([value]))
+                return stops or len(tokens) == length
+
+            for depth in range(length):
+                if uniform[start + depth] < self.accept[i][depth]:
+                    if ends(self.tokens[i][depth], self.confidence[i][depth]):
+                        break
+                    continue
+                if ends(self.rejected[i][depth], self.rejected_confidence[i][depth]):
+                    break
+                if stop is None:
+                    tokens += [UNJUDGED] * (length - len(tokens))
+                    break
+                for value in after_rejected(start, depth, self.rejected[i][depth]):
+                    if ends(UNJUDGED, value):
+                        break
+                break
+            return Proposal(np.asarray(tokens, np.int64), None if stop is None else np.asarray(confidence))
+
+        return propose
+
+
+def record_sampled_chains(
+    target: OrtEngine,
+    draft: OrtEngine,
+    sequence: list[int],
+    first: int,
+    max_draft: int,
+    params: SamplingParams,
+    generator: torch.Generator,
+    rows: int = 4,
+) -> SampledChains:
+    """A self-draft's sampled drafting along the sampled ``sequence``, after every committed length from
+    ``first`` on that leaves a token to draft, ``rows`` lengths at a time, fed as ``record_model_chains``
+    feeds it but always on the sequence's own tokens. ``params`` warp the target's and the draft's logits as
+    the decoder warps them; ``generator`` draws the rejected tokens. Leaves the target holding the sequence
+    but its last token. Probabilities are rounded to 6 decimals."""
+    end = len(sequence)
+    sampler = BatchSampler([params])
+    width = (target.max_draft_len or 0) + 1
+    logits = [target.prefill(torch.tensor([sequence[:first]]), torch.tensor([first]))]
+    for start in range(first, end - 1, width):
+        logits.append(target.forward(torch.tensor([sequence[start : min(start + width, end - 1)]]))[0])
+    target_probs = sampler.probs(torch.cat(logits)[None])[0]  # row t - first: the target's p of token t
+    lengths = list(range(first, end - 1))
+    names = ("tokens", "accept", "confidence", "rejected", "rejected_confidence")
+    fields: dict[str, list[list]] = {name: [] for name in names}
+    for begin in range(0, len(lengths), rows):
+        chunk = lengths[begin : begin + rows]
+        depths = [min(max_draft, end - length - 1) for length in chunk]
+        draft.fork_cache(target, [length - 1 for length in chunk])
+        fed = torch.tensor([[sequence[length - 1]] for length in chunk])
+        per_depth = []
+        for depth in range(max(depths)):
+            draft_logits = draft.forward(fed)[:, 0].float()
+            positions = [min(length + depth, end - 1) for length in chunk]  # rows past their depth: ignored
+            y = torch.tensor([sequence[t] for t in positions])[:, None]
+            p, q = target_probs[torch.tensor(positions) - first], sampler.probs(draft_logits[None])[0]
+            raw = draft_logits.softmax(-1)
+            residual = (q - p).clamp_(min=0)
+            rejected = sample_from(residual, torch.rand(len(chunk), generator=generator))
+            rejected = torch.where(residual.sum(-1) > 0, rejected, UNJUDGED)
+            accept = (q.gather(1, y) / p.gather(1, y)).clamp(max=1)[:, 0]
+            rejected_confidence = raw.gather(1, rejected.clamp(min=0)[:, None])[:, 0]
+            per_depth.append((y[:, 0], accept, raw.gather(1, y)[:, 0], rejected, rejected_confidence))
+            fed = y
+        columns = [torch.stack(column, 1) for column in zip(*per_depth)]  # per field: [rows, max depth]
+        for name, column in zip(names, columns):
+            values = (column if column.dtype == torch.int64 else column.round(decimals=6)).tolist()
+            fields[name] += [row[:depth] for row, depth in zip(values, depths)]
+    return SampledChains(first, **fields)
+
+
+def sampled_continuation(
+    target: OrtEngine, draft: OrtEngine, sequence: list[int], params: SamplingParams, seed: int
+) -> Continuation:
+    """The self-draft going on after a rejected draft token on the sampled ``sequence``: for the round after
+    L committed tokens that drafted the sequence's own tokens up to ``depth`` and then ``token``, the draft's
+    raw probability of each token it samples next, one at a time. Each (L, depth) samples with its own seed
+    derived from ``seed``, so the answer does not depend on the order of the calls. The target's cache is
+    filled with the sequence on the first call."""
+    prefilled = False
+
+    def after_rejected(length: int, depth: int, token: int) -> Iterator[float]:
+        nonlocal prefilled
+        if not prefilled:
+            target.prefill(torch.tensor([sequence[:-1]]), torch.tensor([len(sequence) - 1]))
+            prefilled = True
+        draft.fork_cache(target, [length - 1])
+        draft.forward(torch.tensor([sequence[length - 1 : length + depth]]))
+        sampler = BatchSampler([replace(params, seed=(seed * 1_000_003 + length) * 64 + depth)])
+        fed = torch.tensor([[token]])
+        while True:
+            logits = draft.forward(fed)[:, 0].float()
+            drafted, _ = sampler.draw(logits)
+            yield float(logits.softmax(-1)[0, drafted[0]])
+            fed = drafted[:, None]
+
+    return after_rejected
 
 
 @dataclass(frozen=True)
