@@ -132,7 +132,9 @@ def compare(
     return results
 
 
-def per_position(drafted: np.ndarray, accepted: np.ndarray) -> list[float]:
+def per_position(counts: np.ndarray) -> list[float]:
+    """Acceptance at each draft position from [drafted, accepted] counts per position."""
+    drafted, accepted = counts
     return [round(float(a / d), 4) for a, d in zip(accepted, drafted)]
 
 
@@ -143,13 +145,14 @@ def check(
     greedy, the same rounds prompt by prompt; sampled, the same acceptance per draft position in aggregate
     (the decoder samples anew, with seeds the recording did not use)."""
     decoder = SpeculativeDecoder.from_engines(engines)
-    same, prompts = 0, 0
-    totals = {side: np.zeros((2, CHECK_LENGTH)) for side in ("decoder", "replay")}  # drafted, accepted
-    rounds = {"decoder": 0, "replay": 0}
+    same = checked = rounds_decoded = rounds_replayed = 0
+    counts = {side: np.zeros((2, CHECK_LENGTH)) for side in ("decoder", "replay")}  # drafted, accepted
     ids = {suite: list(dict.fromkeys(row["id"] for row in rows))[:count] for suite, rows in recording.items()}
+    greedy = True
     for suite, rows in recording.items():
         for row in (row for row in rows if row["id"] in ids[suite]):
             output, params = row["output"][:new_tokens], row_params(row, new_tokens)
+            greedy = greedy and params.greedy
             if not params.greedy:
                 params = replace(params, seed=params.seed + 1_000_000)
             real = decoder.generate(row["prompt"], params, num_draft_tokens=CHECK_LENGTH)
@@ -160,21 +163,24 @@ def check(
             replayed = fixed_length_rounds(row["prompt"], output, proposers(suite, row), CHECK_LENGTH, MODEL)
             drafted = [sum(r.drafted > i for r in replayed) for i in range(CHECK_LENGTH)]
             accepted = [sum(r.accepted > i for r in replayed) for i in range(CHECK_LENGTH)]
-            real_counts = (real.stats.drafted_per_position, real.stats.accepted_per_position)
-            totals["decoder"] += np.array([c[:CHECK_LENGTH] + [0] * (CHECK_LENGTH - len(c)) for c in real_counts])
-            totals["replay"] += np.array([drafted, accepted])
-            prompts += 1
+            counts["replay"] += [drafted, accepted]
+            for side, decoded in enumerate((real.stats.drafted_per_position, real.stats.accepted_per_position)):
+                counts["decoder"][side, : len(decoded)] += decoded
             same += (len(replayed), accepted) == (real.stats.rounds, real.stats.accepted_per_position[:CHECK_LENGTH])
-            rounds["decoder"], rounds["replay"] = (
-                rounds["decoder"] + real.stats.rounds,
-                rounds["replay"] + len(replayed),
-            )
-    checked = {"continuations": prompts, "rounds_decoder": rounds["decoder"], "rounds_replay": rounds["replay"]}
-    if all(row_params(row, new_tokens).greedy for rows in recording.values() for row in rows):
-        return {"prompts": prompts, "identical": same, **checked}
-    acceptance = {side: per_position(*counts) for side, counts in totals.items()}
-    drafts = totals["decoder"][0]
-    return {**checked, "acceptance_per_position": acceptance, "decoder_drafts_per_position": drafts.tolist()}
+            checked += 1
+            rounds_decoded += real.stats.rounds
+            rounds_replayed += len(replayed)
+    rounds = {"rounds_decoder": rounds_decoded, "rounds_replay": rounds_replayed}
+    if greedy:
+        return {"prompts": checked, "identical": same, **rounds}
+    acceptance = {side: per_position(side_counts) for side, side_counts in counts.items()}
+    drafts = counts["decoder"][0].tolist()
+    return {
+        "continuations": checked,
+        **rounds,
+        "acceptance_per_position": acceptance,
+        "decoder_drafts_per_position": drafts,
+    }
 
 
 def load_chains(path: Path) -> dict[str, dict[str, Chains]]:
