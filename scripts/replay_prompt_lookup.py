@@ -57,6 +57,7 @@ from specdec_trt.drafting import LOOKUP, PromptLookupDrafter
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}
 LONGEST_MATCH = 8  # match lengths are measured up to this
 MATCH_BINS = {"1": (1, 1), "2": (2, 2), "3-7": (3, 7), "8+": (8, LONGEST_MATCH)}  # inclusive ranges
+LONGEST_SUFFIX = PromptLookupDrafter(max_ngram=LONGEST_MATCH)  # matches the longest recurring suffix
 
 
 def record(engines: Path, new_tokens: int, temperature: float, seeds: int) -> dict[str, list[dict]]:
@@ -85,10 +86,7 @@ def record(engines: Path, new_tokens: int, temperature: float, seeds: int) -> di
 
 def match_length(sequence: np.ndarray) -> int:
     """Length of the longest suffix (up to ``LONGEST_MATCH``) that occurred earlier in the sequence; 0 if none."""
-    for n in range(LONGEST_MATCH, 0, -1):
-        if len(PromptLookupDrafter(max_ngram=n, min_ngram=n).lookup(sequence, 1)):
-            return n
-    return 0
+    return LONGEST_SUFFIX.match(sequence, 1)[0]
 
 
 def replay(prompt: list[int], output: list[int], drafter: PromptLookupDrafter, k: int) -> tuple[list, float]:

@@ -54,6 +54,7 @@ from specdec_trt.bench.replay import (
     fixed_length_rounds,
     lookup_proposer,
     measure_step_prices,
+    position_counts,
     record_model_chains,
     record_sampled_chains,
     sampled_continuation,
@@ -161,8 +162,7 @@ def check(
                     f"{suite} {row['id']}: the engines' greedy output differs from the recording"
                 )
             replayed = fixed_length_rounds(row["prompt"], output, proposers(suite, row), CHECK_LENGTH, MODEL)
-            drafted = [sum(r.drafted > i for r in replayed) for i in range(CHECK_LENGTH)]
-            accepted = [sum(r.accepted > i for r in replayed) for i in range(CHECK_LENGTH)]
+            drafted, accepted = position_counts(replayed, CHECK_LENGTH)
             counts["replay"] += [drafted, accepted]
             for side, decoded in enumerate((real.stats.drafted_per_position, real.stats.accepted_per_position)):
                 counts["decoder"][side, : len(decoded)] += decoded

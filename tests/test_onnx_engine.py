@@ -42,6 +42,7 @@ from test_losslessness import (
     pipeline_counts,
     steady_clock,  # noqa: F401 - a fixture
 )
+from test_replay import steady_rounds
 from transformers import AutoModelForCausalLM
 
 import specdec_trt.rejection
@@ -54,10 +55,9 @@ from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     ModelChains,
     Proposer,
-    Round,
     SampledChains,
     fixed_length_rounds,
-    generation_seconds,
+    position_counts,
     record_model_chains,
     record_sampled_chains,
     sampled_continuation,
@@ -257,8 +257,7 @@ def test_replayed_self_draft_rounds_equal_the_decoder_rounds(gamma: int, engine_
         )
         replayed = fixed_length_rounds(prompt_ids, real.token_ids, chains.proposer(), gamma, MODEL)
         assert len(replayed) == real.stats.rounds, prompt
-        drafted = [sum(r.drafted > i for r in replayed) for i in range(gamma)]
-        accepted = [sum(r.accepted > i for r in replayed) for i in range(gamma)]
+        drafted, accepted = position_counts(replayed, gamma)
         assert drafted == real.stats.drafted_per_position, prompt
         assert accepted == real.stats.accepted_per_position, prompt
         total_accepted += sum(accepted)
@@ -272,17 +271,9 @@ def run_shape(rounds: int, drafted: list[int], accepted: list[int]) -> tuple:
 
 def replayed_shape(output: list[int], parts: dict[str, Proposer], gamma: int | str) -> tuple:
     """``run_shape`` of ``output`` replayed after ``PROMPT`` with ``parts`` drafting ``gamma`` a round (auto:
-    the decoder's controller, on the 1 ms a reading of the steady clock gives every draft and verify)."""
-    replayed: list[Round] = []
-
-    def steady_price(round_: Round) -> tuple[float, float]:
-        replayed.append(round_)
-        return 1e-3, 1e-3
-
-    k = None if gamma == AUTO else gamma
-    generation_seconds(PROMPT, output, parts, lambda _: MODEL, steady_price, k, LOSSLESS_DRAFTS)
-    drafted = [sum(r.drafted > i for r in replayed) for i in range(LOSSLESS_DRAFTS)]
-    return run_shape(len(replayed), drafted, [sum(r.accepted > i for r in replayed) for i in range(LOSSLESS_DRAFTS)])
+    the decoder's controller on the steady clock)."""
+    replayed = steady_rounds(PROMPT, output, parts, lambda _: MODEL, gamma, LOSSLESS_DRAFTS)
+    return run_shape(len(replayed), *position_counts(replayed, LOSSLESS_DRAFTS))
 
 
 def homogeneity_p(first: Counter, second: Counter) -> float:

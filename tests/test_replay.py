@@ -20,6 +20,7 @@ from specdec_trt.bench.replay import (
     fixed_length_rounds,
     generation_seconds,
     lookup_proposer,
+    position_counts,
     replay_rounds,
     stopped,
 )
@@ -105,24 +106,30 @@ def test_auto_drafts_long_when_right_and_stops_early_when_unconfident() -> None:
     assert all(r.accepted == 0 for r in seen)
 
 
+def steady_rounds(
+    prompt: list[int], output: list[int], parts: dict[str, Proposer], part_of, k: int | str, max_draft: int
+) -> list[Round]:
+    """The rounds of ``output`` replayed with ``parts`` drafting ``k`` tokens a round, or auto priced as the
+    decoder times it under ``steady_clock`` (1 ms a reading: every draft and every verify takes 1 ms)."""
+    replayed: list[Round] = []
+
+    def steady_price(round_: Round) -> tuple[float, float]:
+        replayed.append(round_)
+        return 1e-3, 1e-3
+
+    generation_seconds(prompt, output, parts, part_of, steady_price, None if k == AUTO else k, max_draft)
+    return replayed
+
+
 def lookup_rounds_replayed(decoder: SpeculativeDecoder, k: int | str, seed: int) -> tuple[bool, int, int]:
     """One sampled run of ``decoder`` (prompt lookup drafting ``k`` tokens a round, or auto on the steady clock)
     and its output replayed the same way: whether the replay gives the run's rounds and per-position
     acceptances, and its accepted and rejected drafts."""
     prompt = [1, 5, 3, 6, 1, 5]
     real = decoder.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0.8, seed=seed, ignore_eos=True))
-    replayed: list[Round] = []
-
-    def steady_price(round_: Round) -> tuple[float, float]:  # the 1 ms a reading that steady_clock gives
-        replayed.append(round_)
-        return 1e-3, 1e-3
-
     parts = {LOOKUP: lookup_proposer(decoder.drafter)}
-    length = None if k == AUTO else k
-    generation_seconds(prompt, real.token_ids, parts, lambda _: LOOKUP, steady_price, length, decoder.max_auto_draft)
-    positions = len(real.stats.drafted_per_position)
-    drafted = [sum(r.drafted > i for r in replayed) for i in range(positions)]
-    accepted = [sum(r.accepted > i for r in replayed) for i in range(positions)]
+    replayed = steady_rounds(prompt, real.token_ids, parts, lambda _: LOOKUP, k, decoder.max_auto_draft)
+    drafted, accepted = position_counts(replayed, len(real.stats.drafted_per_position))
     same = (len(replayed), drafted, accepted) == (
         real.stats.rounds,
         real.stats.drafted_per_position,

@@ -95,6 +95,13 @@ def replay_rounds(
         position += accepted + 1
 
 
+def position_counts(rounds: Sequence[Round], positions: int) -> tuple[list[int], list[int]]:
+    """Drafted and accepted tokens at each of the first ``positions`` draft positions over ``rounds``, as the
+    decoder's ``drafted_per_position`` and ``accepted_per_position`` count them."""
+    drafted = [sum(r.drafted > i for r in rounds) for i in range(positions)]
+    return drafted, [sum(r.accepted > i for r in rounds) for i in range(positions)]
+
+
 def fixed_length_rounds(prompt: list[int], output: list[int], propose: Proposer, k: int, part: str) -> list[Round]:
     """The rounds of ``output`` when ``propose`` (the drafter's ``part``) drafts ``k`` tokens a round."""
     return list(
