@@ -8,8 +8,11 @@ the structure of what is written and the figures derived from known inputs.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -17,6 +20,7 @@ from click.testing import CliRunner
 from build_engines.checkpoint import default_model_path, load_checkpoint, load_tokenizer
 from runtime.torch_engine import TorchEngine
 from specdec_trt.bench import methods as bench_methods
+from specdec_trt.bench.attention import FORMULATIONS, AttentionBench, AttentionShape, measure, new_tokens
 from specdec_trt.bench.cli import bench, peer_lengths
 from specdec_trt.bench.harness import SCHEMA
 from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
@@ -500,3 +504,38 @@ def test_step_seconds_times_passes_and_leaves_the_context_cached(make_checkpoint
     seconds = step_seconds(engine, context=20, new_tokens=3, repeats=3, rows=rows)
     assert 0 < seconds < 5
     assert engine.lengths.tolist() == [20] * rows  # every timed pass was truncated away
+
+
+# --- attention formulations (scripts/bench_attention.py) ---------------------------------------------------
+
+TINY_ATTENTION = AttentionShape(heads=4, kv_heads=2, head_dim=16, max_context=128)
+
+
+def test_attention_formulations_compute_what_groupqueryattention_computes() -> None:
+    """Every formulation the attention benchmark times gives GroupQueryAttention's output, for decode steps and
+    verify passes, in a cache view shorter than the buffer and in the whole buffer; a step bound one position
+    early (its rotary positions and causal mask shifted) does not."""
+    bench = AttentionBench(TINY_ATTENTION, layers=2)
+    rows = measure(bench, contexts=(9, 70), widths=(1, 3), repeats=1)
+    assert [(row["new_tokens"], row["context"]) for row in rows] == [(1, 9), (1, 70), (3, 9), (3, 70)]
+    for row in rows:
+        assert set(row["us_per_layer"]) == set(FORMULATIONS) and min(row["us_per_layer"].values()) > 0
+        assert max(row["max_abs_diff"].values()) < 1e-5
+    q, k, v = new_tokens(TINY_ATTENTION, 3, np.random.default_rng(1))
+    reference = bench.run("gqa", bench.bind(70, q, k, v)["gqa"])
+    for name in FORMULATIONS[1:]:
+        assert np.abs(bench.run(name, bench.bind(69, q, k, v)[name]) - reference).max() > 1e-2
+
+
+def test_attention_benchmark_script_writes_its_rows(tmp_path: Path) -> None:
+    out = tmp_path / "attention.json"
+    shape = ["--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--max-context", "128"]
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_attention.py"
+    command = [sys.executable, str(script), *shape, "--contexts", "9,70", "--layers", "2"]
+    result = subprocess.run([*command, "--repeats", "1", "--out", str(out)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "attention adds" in result.stdout
+    data = json.loads(out.read_text())
+    assert data["shape"]["kv_heads"] == 2 and len(data["rows"]) == 4
+    refused = subprocess.run([*command, "--contexts", "9,200"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "at most 128" in refused.stderr
