@@ -52,6 +52,7 @@ def main(
 ) -> None:
     """Time the attention formulations and print their table."""
     shape = AttentionShape(heads, kv_heads, head_dim, max_context)
+    threads = threads or os.cpu_count() or 1
     context_list = _integers(contexts)
     if max(context_list) > max_context or min(context_list) < max(_integers(widths)):
         raise click.BadParameter(f"each context must be at least the widest step and at most {max_context}")
@@ -72,12 +73,8 @@ def main(
         print(f"\n{width} new token(s), {layers} layers: attention adds {growth} to a step from {first} to {last}")
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"layers": layers, "threads": threads or os.cpu_count() or 1, "repeats": repeats, "shape": asdict(shape)}
-    out.write_text(
-        json.dumps(
-            {"environment": environment("cpu", threads or os.cpu_count() or 1), **settings, "rows": rows}, indent=1
-        )
-    )
+    settings = {"layers": layers, "threads": threads, "repeats": repeats, "shape": asdict(shape)}
+    out.write_text(json.dumps({"environment": environment("cpu", threads), **settings, "rows": rows}, indent=1))
     print(f"\nwrote {out}")
 
 
