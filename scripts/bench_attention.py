@@ -53,10 +53,10 @@ def main(
     """Time the attention formulations and print their table."""
     shape = AttentionShape(heads, kv_heads, head_dim, max_context)
     threads = threads or os.cpu_count() or 1
-    context_list = _integers(contexts)
-    if max(context_list) > max_context or min(context_list) < max(_integers(widths)):
+    context_list, width_list = _integers(contexts), _integers(widths)
+    if max(context_list) > max_context or min(context_list) < max(width_list):
         raise click.BadParameter(f"each context must be at least the widest step and at most {max_context}")
-    rows = measure(AttentionBench(shape, layers, threads), context_list, _integers(widths), repeats)
+    rows = measure(AttentionBench(shape, layers, threads), context_list, width_list, repeats)
 
     print("\n| new tokens | context | " + " | ".join(f"{name} us/layer" for name in FORMULATIONS) + " | max abs diff |")
     print("|---" * (3 + len(FORMULATIONS)) + "|")
@@ -64,7 +64,7 @@ def main(
         micros = " | ".join(f"{row['us_per_layer'][name]:.0f}" for name in FORMULATIONS)
         print(f"| {row['new_tokens']} | {row['context']} | {micros} | {max(row['max_abs_diff'].values()):.1e} |")
     first, last = context_list[0], context_list[-1]
-    for width in _integers(widths):
+    for width in width_list:
         by_context = {row["context"]: row["us_per_layer"] for row in rows if row["new_tokens"] == width}
         growth = ", ".join(
             f"{name} {layers * (by_context[last][name] - by_context[first][name]) / 1e3:.1f} ms"

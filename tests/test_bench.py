@@ -520,6 +520,7 @@ def test_attention_formulations_compute_what_groupqueryattention_computes() -> N
     assert [(row["new_tokens"], row["context"]) for row in rows] == [(1, 9), (1, 70), (3, 9), (3, 70)]
     for row in rows:
         assert set(row["us_per_layer"]) == set(FORMULATIONS) and min(row["us_per_layer"].values()) > 0
+        assert set(row["max_abs_diff"]) == set(FORMULATIONS[1:])
         assert max(row["max_abs_diff"].values()) < 1e-5
     q, k, v = new_tokens(TINY_ATTENTION, 3, np.random.default_rng(1))
     reference = bench.run("gqa", bench.bind(70, q, k, v)["gqa"])

@@ -14,8 +14,8 @@ each run in place on its cache as the engines run theirs: what a step's attentio
 
 A graph holds ``layers`` independent blocks on caches of their own, fed the same new queries, keys and
 values, so that the cost of a run outside the blocks is shared as in a whole model; sessions take the engines'
-options and share their thread pool. The caches hold the same
-keys and values in every formulation, so their outputs can be compared.
+options and share their thread pool. The caches hold the same keys and values in every formulation, so their
+outputs can be compared.
 """
 
 from __future__ import annotations
@@ -221,11 +221,9 @@ class AttentionBench:
                         binding.bind_ortvalue_output(f"present_{kind}.{i}", cache)
                     else:
                         prefix = self.sequence_major[name][i, j][:, :view]
-                        for io, bind in (
-                            (f"past_{kind}.{i}", binding.bind_input),
-                            (f"present_{kind}.{i}", binding.bind_output),
-                        ):
-                            bind(io, "cpu", 0, np.float32, list(prefix.shape), prefix.ctypes.data)
+                        view_of = ("cpu", 0, np.float32, list(prefix.shape), prefix.ctypes.data)
+                        binding.bind_input(f"past_{kind}.{i}", *view_of)
+                        binding.bind_output(f"present_{kind}.{i}", *view_of)
             bindings[name] = binding
         return bindings
 
@@ -247,8 +245,8 @@ def new_tokens(
 def measure(
     bench: AttentionBench, contexts: Sequence[int], widths: Sequence[int], repeats: int, seed: int = 0
 ) -> list[dict]:
-    """Median microseconds per layer of each formulation for each (width, context), and each formulation's
-    largest difference from GroupQueryAttention's output. Within every repeat each formulation runs
+    """Median microseconds per layer of each formulation for each (width, context), and the largest difference
+    of each other formulation's output from GroupQueryAttention's. Within every repeat each formulation runs
     ``WARM_STEPS`` untimed steps and then ``TIMED_STEPS`` timed ones, as an engine's step follows its previous
     steps over the same cache: straight after another formulation's steps (whose caches displace its own) a
     step at 1,500 tokens took up to three times as long, for about four steps."""
@@ -259,7 +257,9 @@ def measure(
         for context in contexts:
             bindings = bench.bind(context, q, k, v)
             reference = bench.run("gqa", bindings["gqa"])
-            differences = {name: float(np.abs(bench.run(name, b) - reference).max()) for name, b in bindings.items()}
+            differences = {
+                name: float(np.abs(bench.run(name, bindings[name]) - reference).max()) for name in FORMULATIONS[1:]
+            }
             samples: dict[str, list[float]] = {name: [] for name in FORMULATIONS}
             for _ in range(repeats):
                 for name, binding in bindings.items():
