@@ -26,8 +26,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
-
-from build_engines.model import CompactDecoder, ModelConfig, pruned_logit_source, rope_tables
+from specdec_trt.build_engines.model import CompactDecoder, ModelConfig, pruned_logit_source, rope_tables
 
 OPSET = 17
 # The IR version written, pinned rather than onnx's newest: ONNX Runtime refuses IR versions newer than it

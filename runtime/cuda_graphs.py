@@ -22,9 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from build_engines.model import CompactDecoder
-from runtime.transfer import copy_into
+from specdec_trt.build_engines.model import CompactDecoder
+from specdec_trt.runtime.transfer import copy_into
 
 MIN_SPAN = 256  # the shortest attention span a graph is captured for
 MAX_GRAPH_TOKENS = 16  # the widest input a graph is captured for (a verify pass takes max_draft_len + 1)

@@ -19,8 +19,7 @@ import numpy as np
 import onnxruntime as ort
 import torch
 from onnxruntime.capi.onnxruntime_pybind11_state import set_global_thread_pool_sizes
-
-from runtime.engine import check_prompt_lengths, check_room, check_truncate
+from specdec_trt.runtime.engine import check_prompt_lengths, check_room, check_truncate
 
 PROVIDERS = {
     "cpu": ("CPUExecutionProvider", "onnxruntime (installed with specdec-trt)"),

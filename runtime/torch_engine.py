@@ -4,12 +4,11 @@ CUDA device (``runtime.cuda_graphs``), optionally compiled by ``torch.compile`` 
 from __future__ import annotations
 
 import torch
-
-from build_engines.checkpoint import Checkpoint
-from build_engines.model import CompactDecoder
-from runtime.cpu_linear import transpose_linears
-from runtime.cuda_graphs import CapturedForward
-from runtime.engine import check_prompt_lengths, check_room, check_truncate
+from specdec_trt.build_engines.checkpoint import Checkpoint
+from specdec_trt.build_engines.model import CompactDecoder
+from specdec_trt.runtime.cpu_linear import transpose_linears
+from specdec_trt.runtime.cuda_graphs import CapturedForward
+from specdec_trt.runtime.engine import check_prompt_lengths, check_room, check_truncate
 
 DEFAULT_MAX_CONTEXT = 4096
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import click
 import torch
 from rich.console import Console
+from specdec_trt.build_engines.checkpoint import default_model_path, load_transformers_model
+from specdec_trt.build_engines.manifest import read_manifest
 
-from build_engines.checkpoint import default_model_path, load_transformers_model
-from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner

@@ -50,13 +50,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import transformers  # noqa: E402
+from specdec_trt.build_engines.checkpoint import load_checkpoint  # noqa: E402
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY  # noqa: E402
+from specdec_trt.runtime.torch_engine import TorchEngine  # noqa: E402
+from specdec_trt.runtime.transfer import count_host_syncs  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
 
-from build_engines.checkpoint import load_checkpoint  # noqa: E402
-from build_engines.model import DRAFT_VOCAB_KEY  # noqa: E402
-from runtime.torch_engine import TorchEngine  # noqa: E402
-from runtime.transfer import count_host_syncs  # noqa: E402
 from specdec_trt import SamplingParams, SpeculativeDecoder  # noqa: E402
 from specdec_trt.stats import ideal_speedup  # noqa: E402
 

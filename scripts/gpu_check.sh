@@ -14,8 +14,17 @@ set -euo pipefail
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
+repo=$PWD
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# runtime/ and build_engines/ import as specdec_trt.runtime and specdec_trt.build_engines, as an install maps
+# them; without one (nothing to build with here), an overlay of the package with links to both does the same.
+# Python runs from the overlay, so that the repository's own specdec_trt/ (without the two) is not found first.
+overlay=$(mktemp -d)
+cp -r specdec_trt "$overlay/"
+ln -s "$PWD/runtime" "$overlay/specdec_trt/runtime"
+ln -s "$PWD/build_engines" "$overlay/specdec_trt/build_engines"
+export PYTHONPATH=$overlay
 PY=${PYTHON:-python3}
-export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 start=$SECONDS
 
 {
@@ -42,7 +51,7 @@ select=cuda  # every CUDA test has "cuda" in its name
 echo "== pytest -k \"$select\" ($((SECONDS - start)) s)"
 tests_rc=0
 timeout -s INT -k 15 "${TESTS_TIMEOUT:-210}" \
-    "$PY" -m pytest -q -rs -p no:cacheprovider -k "$select" tests/ 2>&1 | tee "$OUT/gpu_tests.log" || tests_rc=$?
+    sh -c 'cd "$0" && exec "$@"' "$overlay" "$PY" -m pytest -q -rs -p no:cacheprovider -k "$select" "$repo/tests" 2>&1 | tee "$OUT/gpu_tests.log" || tests_rc=$?
 if grep -q "needs a CUDA device" "$OUT/gpu_tests.log"; then
     echo "FAIL: CUDA tests were skipped as if there were no CUDA device" | tee -a "$OUT/gpu_tests.log"
     if [ "$tests_rc" -eq 0 ]; then tests_rc=1; fi
@@ -51,7 +60,7 @@ fi
 echo "== scripts/bench_gpu.py ($((SECONDS - start)) s)"
 bench_rc=0
 timeout -s INT -k 15 "${BENCH_TIMEOUT:-300}" \
-    "$PY" scripts/bench_gpu.py --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" || bench_rc=$?
+    sh -c 'cd "$0" && exec "$@"' "$overlay" "$PY" "$repo/scripts/bench_gpu.py" --out "$OUT/bench_gpu.json" 2>&1 | tee "$OUT/bench_gpu.log" || bench_rc=$?
 
 {
     echo "pytest exit status: $tests_rc$([ "$tests_rc" -eq 124 ] && echo ' (timed out)')"

@@ -37,8 +37,8 @@ from pathlib import Path
 import click
 import numpy as np
 from rich.console import Console
+from specdec_trt.build_engines.manifest import read_manifest
 
-from build_engines.manifest import read_manifest
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     COST_CONTEXTS,

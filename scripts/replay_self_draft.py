@@ -40,9 +40,9 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import Progress
+from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.runtime.ort_engine import OrtEngine
 
-from build_engines.manifest import read_manifest
-from runtime.ort_engine import OrtEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     COST_CONTEXTS,

@@ -19,14 +19,14 @@ from pathlib import Path
 import onnxruntime as ort
 import torch
 
-from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, read_header
-from build_engines.manifest import Manifest, ModelEntry, write_manifest
-from build_engines.model import CompactDecoder, ModelConfig
-from build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
-from runtime.ort_engine import OrtEngine, session_options
-from runtime.torch_engine import TorchEngine
 from specdec_trt import __version__
+from specdec_trt.build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, read_header
+from specdec_trt.build_engines.manifest import Manifest, ModelEntry, write_manifest
+from specdec_trt.build_engines.model import CompactDecoder, ModelConfig
+from specdec_trt.build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
 from specdec_trt.loading import check_same_vocabulary, model_spec
+from specdec_trt.runtime.ort_engine import OrtEngine, session_options
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
 DTYPES = {"float32": torch.float32, "float16": torch.float16}

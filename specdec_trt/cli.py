@@ -12,10 +12,10 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from build_engines.manifest import SCHEMA_VERSION, read_manifest, schema_version_of
-from runtime.ort_engine import PROVIDERS
 from specdec_trt.build import PRESETS, QUANTIZATIONS, STAGES, BuildRequest, build, default_engine_dir
+from specdec_trt.build_engines.manifest import SCHEMA_VERSION, read_manifest, schema_version_of
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS, DraftLength, GenerationOutput, SpeculativeDecoder
+from specdec_trt.runtime.ort_engine import PROVIDERS
 from specdec_trt.sampling import SamplingParams
 
 # What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the

@@ -24,11 +24,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from runtime.engine import ContextOverflowError, Engine
-from runtime.transfer import HostCopy, to_device
 from specdec_trt.drafting import LOOKUP, Draft, Drafter, StopRule, confidence_below
 from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
 from specdec_trt.rejection import greedy_verify, rejection_sample
+from specdec_trt.runtime.engine import ContextOverflowError, Engine
+from specdec_trt.runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler, SamplingParams
 from specdec_trt.schedule import DraftLengthController
 from specdec_trt.stats import GenerationStats

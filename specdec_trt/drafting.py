@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
-from runtime.engine import Engine
-from runtime.transfer import HostCopy, to_device
+from specdec_trt.runtime.engine import Engine
+from specdec_trt.runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
 
 MODEL, LOOKUP = "model", "lookup"  # the parts a drafter reports (``Drafter.part``)

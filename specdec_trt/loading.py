@@ -7,11 +7,17 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, load_tokenizer, read_header
-from build_engines.manifest import Manifest, ModelEntry, read_manifest
-from runtime.ort_engine import OrtEngine, OrtModelSpec
-from runtime.torch_engine import TorchEngine
+from specdec_trt.build_engines.checkpoint import (
+    Checkpoint,
+    default_model_path,
+    load_checkpoint,
+    load_tokenizer,
+    read_header,
+)
+from specdec_trt.build_engines.manifest import Manifest, ModelEntry, read_manifest
 from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
+from specdec_trt.runtime.ort_engine import OrtEngine, OrtModelSpec
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 DRAFT_NONE = ("none", "")
 DRAFT_NGRAM = "ngram"

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from specdec_trt.build_engines.checkpoint import default_model_path, load_checkpoint, load_tokenizer
+from specdec_trt.runtime.torch_engine import TorchEngine
 
-from build_engines.checkpoint import default_model_path, load_checkpoint, load_tokenizer
-from runtime.torch_engine import TorchEngine
 from specdec_trt.bench import methods as bench_methods
 from specdec_trt.bench.attention import FORMULATIONS, AttentionBench, AttentionShape, measure, new_tokens
 from specdec_trt.bench.cli import bench, peer_lengths

@@ -21,11 +21,11 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import CHARS, build_model, char_tokenizer
+from specdec_trt.build_engines.checkpoint import CheckpointError
+from specdec_trt.build_engines.manifest import MANIFEST_NAME, read_manifest
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
+from specdec_trt.build_engines.onnx_export import ExportError
 
-from build_engines.checkpoint import CheckpointError
-from build_engines.manifest import MANIFEST_NAME, read_manifest
-from build_engines.model import DRAFT_VOCAB_KEY
-from build_engines.onnx_export import ExportError
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import STAGES, BuildError, BuildRequest, build, check_request
 from specdec_trt.cli import build_command, run

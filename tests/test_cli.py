@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from conftest import TEXT_VOCAB_SIZE
 from rich.console import Console
+from specdec_trt.build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION
 
-from build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt import cli as cli_module
 from specdec_trt.cli import run

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHARS, TEXT_VOCAB_SIZE, build_model, char_tokenizer
+from specdec_trt.build_engines.checkpoint import CheckpointError
+from specdec_trt.runtime.engine import ContextOverflowError
 
-from build_engines.checkpoint import CheckpointError
-from runtime.engine import ContextOverflowError
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.loading import VocabularyMismatchError
 

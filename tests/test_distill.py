@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 from conftest import char_tokenizer
 from safetensors.torch import load_file
+from specdec_trt.build_engines.checkpoint import read_config
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 
-from build_engines.checkpoint import read_config
-from build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest, build
 from specdec_trt.distill import DataSettings, DistillConfig, DistillError, TrainSettings, distill

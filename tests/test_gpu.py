@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TEXT_VOCAB_SIZE
+from specdec_trt.build_engines.checkpoint import read_config
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
+from specdec_trt.runtime.transfer import count_host_syncs
 
-from build_engines.checkpoint import read_config
-from build_engines.model import DRAFT_VOCAB_KEY
-from runtime.transfer import count_host_syncs
 from specdec_trt import SamplingParams, SpeculativeDecoder, rejection
 from specdec_trt.decoder import AUTO
 from specdec_trt.distill import DataSettings, DistillConfig, TrainSettings, distill

@@ -9,10 +9,10 @@ from collections.abc import Sequence
 
 import pytest
 from conftest import FAMILIES
+from specdec_trt.build_engines.checkpoint import load_checkpoint
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 import specdec_trt.decoder
-from build_engines.checkpoint import load_checkpoint
-from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter, StopRule, confidence_below

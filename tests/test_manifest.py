@@ -15,10 +15,16 @@ import onnxruntime
 import pytest
 from click.testing import CliRunner, Result
 from conftest import TEXT_VOCAB_SIZE
+from specdec_trt.build_engines.manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    EngineDirectoryError,
+    file_digest,
+    read_manifest,
+)
+from specdec_trt.build_engines.onnx_export import OPSET
 from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE, build_all
 
-from build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION, EngineDirectoryError, file_digest, read_manifest
-from build_engines.onnx_export import OPSET
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest
 from specdec_trt.cli import run

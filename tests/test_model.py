@@ -14,6 +14,12 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import FAMILIES
+from specdec_trt.build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
+from specdec_trt.build_engines.model import ModelConfig, UnsupportedModelError
+from specdec_trt.runtime import cuda_graphs
+from specdec_trt.runtime.cpu_linear import TransposedLinear
+from specdec_trt.runtime.engine import ContextOverflowError
+from specdec_trt.runtime.torch_engine import TorchEngine
 from torch._dynamo.utils import counters
 from transformers import (
     AutoConfig,
@@ -23,13 +29,6 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
-
-from build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
-from build_engines.model import ModelConfig, UnsupportedModelError
-from runtime import cuda_graphs
-from runtime.cpu_linear import TransposedLinear
-from runtime.engine import ContextOverflowError
-from runtime.torch_engine import TorchEngine
 
 ATOL = 1e-4
 MAX_DRAFT_LEN = 8

@@ -23,6 +23,11 @@ from click.testing import CliRunner
 from conftest import FAMILIES
 from onnx import numpy_helper
 from scipy import stats
+from specdec_trt.build_engines.checkpoint import load_checkpoint
+from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
+from specdec_trt.runtime.ort_engine import PROVIDERS, OrtEngine, ProviderUnavailableError
+from specdec_trt.runtime.torch_engine import TorchEngine
 from test_build import SIZE, build_all
 from test_greedy_equivalence import (
     assert_auto_greedy_lossless,
@@ -46,11 +51,6 @@ from test_replay import steady_rounds
 from transformers import AutoModelForCausalLM
 
 import specdec_trt.rejection
-from build_engines.checkpoint import load_checkpoint
-from build_engines.manifest import read_manifest
-from build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
-from runtime.ort_engine import PROVIDERS, OrtEngine, ProviderUnavailableError
-from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
     ModelChains,

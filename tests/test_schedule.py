@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from specdec_trt.build_engines.checkpoint import load_checkpoint
+from specdec_trt.runtime.torch_engine import TorchEngine
 
-from build_engines.checkpoint import load_checkpoint
-from runtime.torch_engine import TorchEngine
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
 from specdec_trt.drafting import LOOKUP, MODEL, ModelDrafter, PromptLookupDrafter, confidence_below

@@ -29,7 +29,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from runtime.ort_engine import session_options
+from specdec_trt.runtime.ort_engine import session_options
 
 FORMULATIONS = ("gqa", "attention24", "block_diagonal")
 VIEW_ROUNDING = 64

@@ -16,11 +16,9 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from build_engines.checkpoint import load_checkpoint, load_tokenizer, load_transformers_model, read_header
-from build_engines.manifest import read_manifest
-from runtime.ort_engine import OrtEngine
-from runtime.torch_engine import TorchEngine
 from specdec_trt.bench.methods import NGRAM, OursRunner, TransformersRunner
+from specdec_trt.build_engines.checkpoint import load_checkpoint, load_tokenizer, load_transformers_model, read_header
+from specdec_trt.build_engines.manifest import read_manifest
 from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
 from specdec_trt.loading import (
     DRAFT_FROM_ENGINES,
@@ -32,6 +30,8 @@ from specdec_trt.loading import (
     split_lookup_first,
     usable_device,
 )
+from specdec_trt.runtime.ort_engine import OrtEngine
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 DRAFT_INT4 = "int4"
 

@@ -13,8 +13,6 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from build_engines.checkpoint import default_model_path
-from runtime.ort_engine import PROVIDERS
 from specdec_trt.bench.backends import Backend, open_checkpoints, open_engines, open_transformers
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
@@ -31,6 +29,7 @@ from specdec_trt.bench.plots import write_plots
 from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.bench.summary import summarise
+from specdec_trt.build_engines.checkpoint import default_model_path
 from specdec_trt.cli import (
     COMPILE_HELP,
     DTYPES,
@@ -42,6 +41,7 @@ from specdec_trt.cli import (
 )
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
 from specdec_trt.loading import DRAFT_FROM_ENGINES
+from specdec_trt.runtime.ort_engine import PROVIDERS
 
 
 def _draft_lengths(schedule: str):

@@ -21,10 +21,10 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
-from runtime.engine import Engine
 from specdec_trt.bench.suites import BenchPrompt
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
 from specdec_trt.drafting import Drafter
+from specdec_trt.runtime.engine import Engine
 from specdec_trt.sampling import SamplingParams
 
 OURS = "ours"

@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from runtime.engine import Engine
-from runtime.ort_engine import OrtEngine
 from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
 from specdec_trt.drafting import MODEL, PromptLookupDrafter, StopRule
+from specdec_trt.runtime.engine import Engine
+from specdec_trt.runtime.ort_engine import OrtEngine
 from specdec_trt.sampling import BatchSampler, SamplingParams, sample_from
 from specdec_trt.schedule import DraftLengthController
 

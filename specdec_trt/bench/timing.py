@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from runtime.engine import Engine
+from specdec_trt.runtime.engine import Engine
 
 
 def step_seconds(engine: Engine, context: int, new_tokens: int, repeats: int = 20, rows: int = 1) -> float:

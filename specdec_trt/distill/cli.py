@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from build_engines.checkpoint import CheckpointError
+from specdec_trt.build_engines.checkpoint import CheckpointError
 from specdec_trt.cli import number_list
 from specdec_trt.distill.pipeline import DataSettings, DistillConfig, DistillError, DistillReport, distill
 from specdec_trt.distill.trainer import TrainSettings

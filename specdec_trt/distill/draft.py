@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from build_engines.model import DRAFT_VOCAB_KEY
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 
 
 def first_layers(num_target_layers: int, num_draft_layers: int) -> list[int]:

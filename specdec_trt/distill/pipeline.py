@@ -17,21 +17,21 @@ from pathlib import Path
 
 import torch
 
-from build_engines.checkpoint import (
+from specdec_trt.build_engines.checkpoint import (
     Checkpoint,
     default_model_path,
     load_tokenizer,
     load_transformers_model,
     read_config,
 )
-from build_engines.model import ModelConfig
-from runtime.torch_engine import TorchEngine
+from specdec_trt.build_engines.model import ModelConfig
 from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.distill import corpus
 from specdec_trt.distill.draft import first_layers, init_draft
 from specdec_trt.distill.labels import TeacherLabels, choose_draft_vocab, label
 from specdec_trt.distill.trainer import DistillTrainer, Evaluation, TrainSettings
 from specdec_trt.loading import usable_device
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 WORK_DIR = ".distill"
 REPORT_FILE = "distill.json"
