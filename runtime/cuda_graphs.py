@@ -1,9 +1,8 @@
 """The compact decoder's forward replayed from CUDA graphs.
 
 Dispatched one by one from Python, a small model's kernels cost more to launch than to run: a SmolLM2-135M step
-is about 1,500 PyTorch operations, and took 16 to 28 ms eager on an H200 against 2.9 ms replayed from a graph
-(scripts/bench_gpu.py). A captured graph replays them all with one launch. A graph has fixed shapes and
-addresses, so:
+is about 1,500 PyTorch operations (docs/GPU.md). A captured graph replays them all with one launch. A graph has
+fixed shapes and addresses, so:
 
 - there is one graph per (new tokens T, attention span) for the cache's batch size, captured the first time
   that shape is asked for. Spans are powers of two from ``MIN_SPAN`` up to the max context, so a request
@@ -22,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
 from specdec_trt.build_engines.model import CompactDecoder
 from specdec_trt.runtime.transfer import copy_into
 

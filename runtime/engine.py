@@ -1,7 +1,7 @@
 """The Engine protocol: one model with its own KV cache for a batch of sequences.
 
-The decoder talks to engines through this protocol only, so every backend (PyTorch, ONNX Runtime,
-TensorRT-LLM) is interchangeable. Rows of a batch may hold different lengths: after a verify pass each
+The decoder talks to engines through this protocol only, so its backends (ONNX Runtime, PyTorch) are
+interchangeable. Rows of a batch may hold different lengths: after a verify pass each
 row keeps its own number of accepted drafts.
 """
 

@@ -1,9 +1,10 @@
 """PyTorch engine: the compact decoder with a static KV cache, eager on the CPU, replayed from CUDA graphs on a
-CUDA device (``runtime.cuda_graphs``), optionally compiled by ``torch.compile`` into fused kernels."""
+CUDA device (``cuda_graphs``), optionally compiled by ``torch.compile`` into fused kernels."""
 
 from __future__ import annotations
 
 import torch
+
 from specdec_trt.build_engines.checkpoint import Checkpoint
 from specdec_trt.build_engines.model import CompactDecoder
 from specdec_trt.runtime.cpu_linear import transpose_linears
@@ -17,8 +18,8 @@ class TorchEngine:
     """Engine protocol over ``CompactDecoder``. The cache is allocated once per batch size and reused;
     truncation only moves the per-row length pointers (kept on the host, so no step waits for the device).
 
-    On a CPU the linear layers keep their weights transposed (``runtime.cpu_linear``): a step over several rows
-    then needs no repacking of its weights: 1.5 times as fast per step at 8-32 rows (SmolLM2-135M).
+    On a CPU the linear layers keep their weights transposed (``cpu_linear``): a step over several rows
+    then needs no repacking of its weights.
 
     ``cuda_graphs`` (default: on for a CUDA device) replays ``forward`` from CUDA graphs captured per shape;
     ``prefill`` always runs without graphs. False runs every step eagerly, as vLLM's ``enforce_eager``.
@@ -26,8 +27,8 @@ class TorchEngine:
     ``compiled`` runs the decoder layers through ``torch.compile`` (Inductor): norms, rotary embeddings, cache
     writes and activations become a few fused kernels per layer instead of dozens, which is what bounds a small
     model's step on a GPU. Layers are compiled one by one, so every layer of every engine with the same layer
-    shapes shares one compiled function (compiling the whole 30-layer model took 80 s per input shape on an H200
-    host). The first call of each kind compiles (a prompt, T = 1, T > 1; lengths stay dynamic); graphs, when on,
+    shapes shares one compiled function (compiling a whole model as one graph takes far longer, per input
+    shape). The first call of each kind compiles (a prompt, T = 1, T > 1; lengths stay dynamic); graphs, when on,
     are captured around the compiled code."""
 
     def __init__(

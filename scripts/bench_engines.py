@@ -1,4 +1,4 @@
-"""Compiled engines on the default model: every figure of the engines issue, measured side by side in one run.
+"""Compiled engines on the default model: the engine-level figures, measured side by side in one run.
 
 SmolLM2-135M-Instruct, float32, greedy, ``--max-new-tokens`` new tokens, medians of ``--repeats`` after a
 warm-up; methods alternate inside each repeat so that drifting machine load hits all of them alike.
@@ -25,14 +25,14 @@ from pathlib import Path
 import click
 import torch
 from rich.console import Console
-from specdec_trt.build_engines.checkpoint import default_model_path, load_transformers_model
-from specdec_trt.build_engines.manifest import read_manifest
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
 from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
-from specdec_trt.cli import default_engines
+from specdec_trt.build_engines.checkpoint import default_model_path, load_transformers_model
+from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.cli_options import default_engines
 from specdec_trt.stats import ideal_speedup
 
 PASSAGE = (

@@ -1,11 +1,11 @@
 """GPU engine figures on random-weight models of SmolLM2-135M's exact shape (no weights travel).
 
-Run from the repository root (``PYTHONPATH=.``); every figure is a median over ``--repeats`` after warm-up,
-with the device synchronised around each timing. Each figure is measured for every mode of our PyTorch engine
-side by side: "eager" (kernels launched one by one from Python), on CUDA "graphs" (every step replayed from a
-CUDA graph, the default on a GPU), and "compiled" (``torch.compile``'s fused kernels, replayed from CUDA graphs
-on CUDA, eager on a CPU). The first generation of each mode, a warm-up, includes its compiling and capturing:
-its time is reported as well.
+Run from the repository root after ``bash scripts/install.sh`` (``scripts/gpu_check.sh`` runs it with no
+install); every figure is a median over ``--repeats`` after warm-up, with the device synchronised around each
+timing. Each figure is measured for every mode of our PyTorch engine side by side: "eager" (kernels launched
+one by one from Python), on CUDA "graphs" (every step replayed from a CUDA graph, the default on a GPU), and
+"compiled" (``torch.compile``'s fused kernels, replayed from CUDA graphs on CUDA, eager on a CPU). The first
+generation of each mode, a warm-up, includes its compiling and capturing: its time is reported as well.
 
 1. the engine's per-token decode step (T=1) after 100 and 1,500 cached tokens, the memory bandwidth that
    step achieves (weight bytes / step time), and the verify cost ratio forward(T=5) / forward(T=1);
@@ -19,8 +19,8 @@ its time is reported as well.
    efficiency, and what is missing is overhead we own;
 5. (CUDA only) host synchronisations per round of the decoding loop, counted with CUDA's sync debug mode.
 
-    PYTHONPATH=. python scripts/bench_gpu.py --out /tmp/bench_gpu.json              # on a GPU: ~1-3 min
-    PYTHONPATH=. python scripts/bench_gpu.py --device cpu --quick --out /tmp/q.json  # smoke test on a CPU
+    .venv/bin/python scripts/bench_gpu.py --out /tmp/bench_gpu.json              # on a GPU: ~1-3 min
+    .venv/bin/python scripts/bench_gpu.py --device cpu --quick --out /tmp/q.json  # smoke test on a CPU
 
 The JSON is rewritten after every section ("status": "partial" until the end), so an interrupted run
 still leaves what it measured.
@@ -44,20 +44,18 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: no install needed
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import transformers  # noqa: E402
-from specdec_trt.build_engines.checkpoint import load_checkpoint  # noqa: E402
-from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY  # noqa: E402
-from specdec_trt.runtime.torch_engine import TorchEngine  # noqa: E402
-from specdec_trt.runtime.transfer import count_host_syncs  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast  # noqa: E402
 
 from specdec_trt import SamplingParams, SpeculativeDecoder  # noqa: E402
+from specdec_trt.build_engines.checkpoint import load_checkpoint  # noqa: E402
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY  # noqa: E402
+from specdec_trt.runtime.torch_engine import TorchEngine  # noqa: E402
+from specdec_trt.runtime.transfer import count_host_syncs  # noqa: E402
 from specdec_trt.stats import ideal_speedup  # noqa: E402
 
 # HuggingFaceTB/SmolLM2-135M(-Instruct), config.json

@@ -7,7 +7,7 @@
 # Results go flat into $OUT: env.txt, gpu_tests.log, bench_gpu.log, bench_gpu.json, summary.txt.
 # Exits non-zero if the tests or the benchmark failed (each is recorded; one failing does not stop the other).
 #   OUT=/tmp/gpu bash scripts/gpu_check.sh
-# Wall time: about 3.5 minutes on an H200 (210 s at 1cbb19c, compiling included); each step is capped
+# Wall time: about 3.5 minutes on an H200, compiling included; each step is capped
 # (TESTS_TIMEOUT, BENCH_TIMEOUT seconds) so the whole check stays under 9 minutes.
 set -euo pipefail
 : "${OUT:?set OUT to a folder for the results, e.g. OUT=/tmp/gpu bash scripts/gpu_check.sh}"

@@ -37,7 +37,6 @@ from pathlib import Path
 import click
 import numpy as np
 from rich.console import Console
-from specdec_trt.build_engines.manifest import read_manifest
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
@@ -51,7 +50,8 @@ from specdec_trt.bench.replay import (
     speedups_by_length,
 )
 from specdec_trt.bench.suites import SUITES, load_suite
-from specdec_trt.cli import default_engines
+from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.cli_options import default_engines
 from specdec_trt.drafting import LOOKUP, PromptLookupDrafter
 
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}

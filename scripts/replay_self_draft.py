@@ -21,10 +21,15 @@ full-sequence cache, the decoder's from its own rounds, so floating-point differ
 drafted token); for sampled output, which the decoder samples afresh, by the acceptance at each draft
 position over all the prompts' seeds.
 
-    .venv/bin/python scripts/replay_self_draft.py --recorded results/lookup_greedy_recording.json
+    .venv/bin/python scripts/replay_self_draft.py --recorded results/lookup_greedy_recording.json \
+        --costs results/self_draft_replay.summary.json --check 2 --out results/self_draft_replay.json
     .venv/bin/python scripts/replay_self_draft.py --recorded ... --chains results/self_draft_replay.json --costs ...
     .venv/bin/python scripts/replay_self_draft.py --recorded results/lookup_sampled_recording.json --limit 6 \
-        --costs results/self_draft_replay.json --check 2 --out results/self_draft_replay_sampled.json
+        --costs results/self_draft_replay.summary.json --check 2 --out results/self_draft_replay_sampled.json
+
+The recordings and the full outputs are large and not in the tree: ``replay_prompt_lookup.py`` makes the
+recordings again, and ``results/*.summary.json`` keep every figure of the published runs but the proposals,
+with the step prices that ``--costs`` reuses (scripts/README.md).
 """
 
 from __future__ import annotations
@@ -40,8 +45,6 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.progress import Progress
-from specdec_trt.build_engines.manifest import read_manifest
-from specdec_trt.runtime.ort_engine import OrtEngine
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.replay import (
@@ -62,8 +65,10 @@ from specdec_trt.bench.replay import (
     speedups_by_length,
 )
 from specdec_trt.bench.suites import SUITES
-from specdec_trt.cli import default_engines
+from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.cli_options import default_engines
 from specdec_trt.drafting import LOOKUP, LOOKUP_FIRST_MIN_NGRAM, MODEL, PromptLookupDrafter
+from specdec_trt.runtime.ort_engine import OrtEngine
 
 CHECK_LENGTH = 4
 Chains = ModelChains | SampledChains
@@ -195,9 +200,8 @@ def load_chains(path: Path) -> dict[str, dict[str, Chains]]:
 @click.option(
     "--recorded",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=Path("results/lookup_greedy_recording.json"),
-    show_default=True,
-    help="Greedy or sampled recording of the bench prompts (replay_prompt_lookup.py writes one).",
+    required=True,
+    help="Greedy or sampled recording of the bench prompts (replay_prompt_lookup.py --save-recording writes one).",
 )
 @click.option("--new-tokens", default=128, show_default=True, help="Tokens of each recorded continuation to replay.")
 @click.option("--limit", type=int, help="Replay only the first N prompts of each suite (every seed of each).")

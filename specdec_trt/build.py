@@ -22,20 +22,20 @@ import torch
 from specdec_trt import __version__
 from specdec_trt.build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, read_header
 from specdec_trt.build_engines.manifest import Manifest, ModelEntry, write_manifest
-from specdec_trt.build_engines.model import CompactDecoder, ModelConfig
+from specdec_trt.build_engines.model import DTYPES, CompactDecoder, ModelConfig
 from specdec_trt.build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
+from specdec_trt.draft_spec import INT4, NONE
 from specdec_trt.loading import check_same_vocabulary, model_spec
 from specdec_trt.runtime.ort_engine import OrtEngine, session_options
 from specdec_trt.runtime.torch_engine import TorchEngine
 
 STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
+EXPORT_DTYPES = ("float32", "float16")  # of DTYPES, what the ONNX graphs are exported in
 MAX_DRAFT_LEN_LIMIT = 32
 VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
-DRAFT_INT4, DRAFT_NONE = "int4", "none"
 QUANTIZATIONS = ("none", "int4")  # of a model built from its own checkpoint; int4: MatMulNBits, block 32
 PRESETS = {
-    "smollm2-135m": {"target": None, "draft": DRAFT_INT4, "max_draft_len": 8, "max_context": 2048, "dtype": "float32"},
+    "smollm2-135m": {"target": None, "draft": INT4, "max_draft_len": 8, "max_context": 2048, "dtype": "float32"},
 }
 
 
@@ -53,7 +53,7 @@ class BuildRequest:
 
     out: Path
     target: str | Path | None = None
-    draft: str | Path = DRAFT_INT4
+    draft: str | Path = INT4
     max_draft_len: int = 8
     max_context: int = 2048
     dtype: str = "float32"
@@ -70,18 +70,18 @@ def default_engine_dir() -> Path:
 
 def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | None]:
     """Every refusal that needs no weights: returns the target's and the draft checkpoint's configs."""
-    if request.dtype not in DTYPES:
-        raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(DTYPES)}")
+    if request.dtype not in EXPORT_DTYPES:
+        raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(EXPORT_DTYPES)}")
     for role, quantization in (("target", request.target_quantization), ("draft", request.draft_quantization)):
         if quantization not in QUANTIZATIONS:
             choices = " or ".join(QUANTIZATIONS)
             raise BuildError(f"{role} quantization {quantization!r} is not supported: choose {choices}")
-    if request.draft_quantization != "none" and str(request.draft) in (DRAFT_INT4, DRAFT_NONE):
+    if request.draft_quantization != "none" and str(request.draft) in (INT4, NONE):
         raise BuildError(
             f"--draft-quantization applies to a draft checkpoint, not to --draft {request.draft}"
-            + (" (already the target quantized to int4)" if str(request.draft) == DRAFT_INT4 else "")
+            + (" (already the target quantized to int4)" if str(request.draft) == INT4 else "")
         )
-    if request.target_quantization == "int4" and str(request.draft) == DRAFT_INT4:
+    if request.target_quantization == "int4" and str(request.draft) == INT4:
         raise BuildError(
             "the int4 self-draft of an int4 target would be the target itself: give a draft checkpoint, or "
             "--draft none (prompt lookup needs no draft engine)"
@@ -100,7 +100,7 @@ def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | Non
             f"--max-context {request.max_context} leaves no room for a prompt and {request.max_draft_len} drafts"
         )
     draft = None
-    if str(request.draft) not in (DRAFT_INT4, DRAFT_NONE):
+    if str(request.draft) not in (INT4, NONE):
         draft_header = read_header(request.draft)
         draft = draft_header.config
         check_exportable(draft)
@@ -131,7 +131,7 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     dtype = DTYPES[request.dtype]
     on_stage("load")
     target = load_checkpoint(_target_path(request))
-    draft = None if str(request.draft) in (DRAFT_INT4, DRAFT_NONE) else load_checkpoint(request.draft)
+    draft = None if str(request.draft) in (INT4, NONE) else load_checkpoint(request.draft)
     target_model = _compact(target, request.max_context)
     draft_model = _compact(draft, request.max_context) if draft is not None else None
     on_stage("export target")
@@ -140,9 +140,9 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     if draft_model is not None:
         export_onnx(draft_model, directory / "raw" / "draft.onnx", dtype)
     on_stage("quantize")
-    if request.draft == DRAFT_INT4:
+    if request.draft == INT4:
         quantize_int4(directory / "raw" / "target.onnx", directory / "raw" / "draft.onnx")
-    roles = ["target"] + ([] if request.draft == DRAFT_NONE else ["draft"])
+    roles = ["target"] + ([] if request.draft == NONE else ["draft"])
     graphs = {role: directory / "raw" / f"{role}.onnx" for role in roles}
     quantized = {role for role in roles if getattr(request, f"{role}_quantization") == "int4"}
     for role in quantized:
@@ -157,7 +157,7 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     entries = {"target": _entry(request, target, "target", int4 if "target" in quantized else "none")}
     if draft is not None:
         entries["draft"] = _entry(request, draft, "draft", int4 if "draft" in quantized else "none")
-    elif request.draft == DRAFT_INT4:
+    elif request.draft == INT4:
         entries["draft"] = _entry(request, target, "draft", int4)
     # A quantized graph cannot match the float model's logits: it must load and score every position.
     for role, model in (("target", target_model), ("draft", draft_model)):
@@ -174,7 +174,7 @@ def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str]
     versions = {"specdec-trt": __version__} | {
         name: version(name) for name in ("torch", "onnx", "onnxruntime", "transformers")
     }
-    kind = {DRAFT_INT4: "int4", DRAFT_NONE: "none"}.get(str(request.draft), "model")
+    kind = str(request.draft) if str(request.draft) in (INT4, NONE) else "model"
     return write_manifest(directory, entries["target"], entries.get("draft"), kind, versions)
 
 

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.draft_spec import ENGINE, NGRAM, NONE, DraftSpec
 from specdec_trt.drafting import LOOKUP, Draft, Drafter, StopRule, confidence_below
-from specdec_trt.loading import DRAFT_FROM_ENGINES, load_engine_directory, load_engines
+from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
 from specdec_trt.rejection import greedy_verify, rejection_sample
 from specdec_trt.runtime.engine import ContextOverflowError, Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
@@ -42,6 +44,33 @@ AUTO = "auto"
 # also what the context check reserves, so it stays modest: past 8 drafts, even at acceptance 0.9, a
 # draft token adds under 0.05 expected tokens per round.
 AUTO_MAX_DRAFT_TOKENS = 8
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, draft_tokens: int, max_context: int) -> None:
+    """Refuse, before any work, a request whose prompt, new tokens and up to ``draft_tokens`` drafts in a
+    round would pass ``max_context``."""
+    needed = prompt_tokens + max_new_tokens + draft_tokens
+    if needed > max_context:
+        raise ContextOverflowError(
+            f"the prompt's {prompt_tokens} tokens + max_new_tokens {max_new_tokens} + up to {draft_tokens} draft "
+            f"tokens need {needed} positions, more than the max context {max_context}: shorten the prompt or "
+            "lower max_new_tokens"
+        )
+
+
+def default_draft_length(target: Engine) -> int:
+    """``DEFAULT_NUM_DRAFT_TOKENS``, or fewer when the target's verify pass was built for fewer."""
+    built_for = target.max_draft_len
+    return DEFAULT_NUM_DRAFT_TOKENS if built_for is None else min(DEFAULT_NUM_DRAFT_TOKENS, built_for)
+
+
+def check_draft_length(gamma: DraftLength, built_for: int | None) -> None:
+    """Refuse a fixed draft length past the ``built_for`` drafts an engine's verify pass takes (None: any)."""
+    if gamma != AUTO and built_for is not None and gamma > built_for:
+        raise ValueError(
+            f"num_draft_tokens={gamma} exceeds the {built_for} drafts the engine was built for: ask for fewer "
+            "or rebuild with specdec-build --max-draft-len"
+        )
 
 
 def check_num_draft_tokens(value: object) -> DraftLength:
@@ -156,7 +185,7 @@ class SpeculativeDecoder:
     def from_pretrained(
         cls,
         target: str | Path | None = None,
-        draft: str | Path | None = "ngram",
+        draft: str | Path | DraftSpec | None = NGRAM,
         *,
         num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
         device: torch.device | str = "cpu",
@@ -167,39 +196,54 @@ class SpeculativeDecoder:
         compiled: bool = False,
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
-        embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup) or None. On a CUDA
-        device the engines replay their steps from CUDA graphs unless ``cuda_graphs=False``; ``compiled=True``
-        runs them through ``torch.compile`` (see ``TorchEngine``)."""
+        embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup), "ngram+" before a
+        checkpoint, or None. On a CUDA device the engines replay their steps from CUDA graphs unless
+        ``cuda_graphs=False``; ``compiled=True`` runs them through ``torch.compile`` (see ``TorchEngine``)."""
         check_num_draft_tokens(num_draft_tokens)  # before loading anything
-        checkpoint, engine, drafter = load_engines(target, draft, device, dtype, max_context, cuda_graphs, compiled)
-        eos = checkpoint.config.eos_token_ids
-        return cls(engine, drafter, checkpoint.tokenizer, eos, num_draft_tokens, draft_confidence_threshold)
+        spec = DraftSpec.parse(draft)
+        loaded = open_checkpoints(target, [spec], device, dtype, max_context, cuda_graphs, compiled)
+        return cls.from_loaded(loaded, num_draft_tokens, draft_confidence_threshold)
 
     @classmethod
     def from_engines(
         cls,
         directory: str | Path,
-        draft: str | None = DRAFT_FROM_ENGINES,
+        draft: str | Path | DraftSpec | None = None,
         *,
         num_draft_tokens: DraftLength | None = None,
-        provider: str = "cpu",
         threads: int | None = None,
         draft_confidence_threshold: float | None = None,
     ) -> SpeculativeDecoder:
         """Open an engine directory built by ``specdec-build`` on ONNX Runtime (its manifest and checksums
-        are checked first). ``draft``: "engine" (the directory's draft), "ngram" or None.
+        are checked first). ``draft``: None (the directory's own draft if it was built with one, else plain
+        decoding), "engine", "ngram", "ngram+engine", another engine directory, or "none".
         ``num_draft_tokens`` defaults to 5, or the engine's max draft length when that is smaller; "auto"
         chooses up to the engine's max draft length each round."""
         if num_draft_tokens is not None:
             check_num_draft_tokens(num_draft_tokens)  # before loading anything
-        manifest, tokenizer, engine, drafter = load_engine_directory(directory, draft, provider, threads)
-        gamma = (
-            min(DEFAULT_NUM_DRAFT_TOKENS, manifest.target.max_draft_len)
-            if num_draft_tokens is None
-            else num_draft_tokens
+        directory = Path(directory)
+        if draft is None:
+            draft = ENGINE if read_manifest(directory, verify_files=False).draft is not None else NONE
+        loaded = open_engine_directory(directory, [DraftSpec.parse(draft)], threads)
+        gamma = default_draft_length(loaded.target) if num_draft_tokens is None else num_draft_tokens
+        return cls.from_loaded(loaded, gamma, draft_confidence_threshold)
+
+    @classmethod
+    def from_loaded(
+        cls,
+        loaded: LoadedModels,
+        num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
+        draft_confidence_threshold: float | None = None,
+    ) -> SpeculativeDecoder:
+        """A decoder over models opened by ``specdec_trt.loading`` with at most one draft."""
+        return cls(
+            loaded.target,
+            loaded.only_drafter(),
+            loaded.tokenizer,
+            loaded.eos_token_ids,
+            num_draft_tokens,
+            draft_confidence_threshold,
         )
-        eos = manifest.target.eos_token_ids
-        return cls(engine, drafter, tokenizer, eos, gamma, draft_confidence_threshold)
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
@@ -268,12 +312,7 @@ class SpeculativeDecoder:
         gamma = check_num_draft_tokens(self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens)
         if gamma and self.drafter is None:
             raise ValueError(f"num_draft_tokens={gamma!r} needs a drafter; this decoder has none (use 0)")
-        built_for = self.target.max_draft_len
-        if gamma != AUTO and built_for is not None and gamma > built_for:
-            raise ValueError(
-                f"num_draft_tokens={gamma} exceeds the {built_for} drafts the engine was built for: ask for fewer "
-                "or rebuild with specdec-build --max-draft-len"
-            )
+        check_draft_length(gamma, self.target.max_draft_len)
         params = SamplingParams() if params is None else params
         param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(param_list) != len(prompts):
@@ -282,14 +321,7 @@ class SpeculativeDecoder:
         requests = []
         for prompt, p in zip(prompts, param_list):
             ids = self.tokenize(prompt)
-            needed = len(ids) + p.max_new_tokens + reach
-            if needed > self.max_context:
-                drafts = f"{reach} drafts (num_draft_tokens auto)" if gamma == AUTO else f"num_draft_tokens {gamma}"
-                raise ContextOverflowError(
-                    f"the prompt's {len(ids)} tokens + max_new_tokens {p.max_new_tokens} + {drafts} "
-                    f"need {needed} positions, more than the max context {self.max_context}: shorten "
-                    "the prompt or lower max_new_tokens"
-                )
+            check_context(len(ids), p.max_new_tokens, reach, self.max_context)
             requests.append(_Request(ids, p, TextTracker(self.tokenizer, p.stop), self.eos_token_ids))
         return requests, BatchSampler(param_list, self.target.device), gamma
 

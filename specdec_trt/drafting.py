@@ -99,9 +99,8 @@ class ModelDrafter:
     token: the keys and values of the committed tokens before it, which the target's verify pass computed,
     are copied from the target's cache, so even a long run of tokens the draft never saw (rounds drafted by
     prompt lookup, plain rounds) costs one draft step. Its own keys and values of accepted drafts are replaced
-    by the target's too: on the default model over 36 bench prompts that took 4.3% fewer rounds at k=4 (1,233
-    against 1,288; fewer on every suite, though not on every prompt), and it makes the draft's proposals
-    depend on the committed text alone, which lets ``specdec_trt.bench.replay`` replay them exactly.
+    by the target's too, which took fewer rounds on every bench suite (docs/MEASUREMENTS.md) and makes the
+    draft's proposals depend on the committed text alone, so ``specdec_trt.bench.replay`` replays them exactly.
     """
 
     def __init__(self, engine: Engine, cache_from: Engine | None = None) -> None:
@@ -197,10 +196,8 @@ class PromptLookupDrafter:
     ngram method): find the most recent earlier occurrence of the sequence's last n tokens (n from
     ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
 
-    The defaults come from replaying the default model's greedy outputs on the four bench suites: a draft
-    copied after a one-token match is right a sixth to a third of the time, while a verify pass of 3 tokens
-    costs 7-13% more than one of 1, so with auto drafting after it pays (measured: 1.00-1.06x the tokens/s of
-    needing 2 tokens on every suite); matching past 4 tokens changed nothing (README, "Measured")."""
+    The defaults (matches of 1 to 4 tokens) come from replaying the default model's outputs on the bench
+    suites (docs/MEASUREMENTS.md): with auto, drafting after a one-token match pays."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, device: torch.device | str = "cpu") -> None:
         if not 1 <= min_ngram <= max_ngram:

@@ -1,7 +1,10 @@
-"""Building engines and drafters from checkpoint paths (what ``from_pretrained`` and the CLI use)."""
+"""Opening a target engine and its drafters from what the user names: an engine directory (ONNX Runtime) or
+checkpoints (PyTorch). The Python API, specdec-run and specdec-bench all open their models here."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,29 +17,41 @@ from specdec_trt.build_engines.checkpoint import (
     load_tokenizer,
     read_header,
 )
-from specdec_trt.build_engines.manifest import Manifest, ModelEntry, read_manifest
+from specdec_trt.build_engines.manifest import MANIFEST_NAME, Manifest, ModelEntry, read_manifest
+from specdec_trt.draft_spec import ENGINE, INT4, LOOKUP_FIRST, NGRAM, DraftSpec
 from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
+from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine, OrtModelSpec
 from specdec_trt.runtime.torch_engine import TorchEngine
-
-DRAFT_NONE = ("none", "")
-DRAFT_NGRAM = "ngram"
-DRAFT_FROM_ENGINES = "engine"
-LOOKUP_FIRST = "ngram+"  # "ngram+<model draft>": prompt lookup where it matches, that model elsewhere
-
-
-def split_lookup_first(draft: str | Path | None) -> tuple[bool, str | Path | None]:
-    """("ngram+X" -> (True, "X")); any other draft name is returned as it is, with False."""
-    if draft is not None and str(draft).startswith(LOOKUP_FIRST):
-        model = str(draft).removeprefix(LOOKUP_FIRST)
-        if not model or model in (*DRAFT_NONE, DRAFT_NGRAM):
-            raise ValueError(f"draft {str(draft)!r}: after 'ngram+' name the model that drafts where lookup fails")
-        return True, model
-    return False, draft
 
 
 class VocabularyMismatchError(ValueError):
     """Target and draft do not share one vocabulary, so draft token ids would mean other tokens."""
+
+
+@dataclass
+class LoadedModels:
+    """A target engine with one drafter per draft asked for, keyed by label ("ngram", "int4", "engine", a
+    directory's name, "ngram+..."), and what callers need to know about them."""
+
+    target: Engine
+    tokenizer: PreTrainedTokenizerBase | None
+    eos_token_ids: list[int]
+    drafters: dict[str, Drafter] = field(default_factory=dict)
+    target_checkpoint: Path | None = None  # the checkpoint the target was made from (transformers' peers load it)
+    draft_checkpoints: dict[str, Path] = field(default_factory=dict)  # label -> checkpoint of a model draft
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence the target and every drafter can follow."""
+        limits = [self.target.max_context] + [d.max_context for d in self.drafters.values() if d.max_context]
+        return min(limits)
+
+    def only_drafter(self) -> Drafter | None:
+        """The drafter of a single-draft load (None for plain decoding)."""
+        if len(self.drafters) > 1:
+            raise ValueError(f"{len(self.drafters)} drafters were loaded; name the one you want")
+        return next(iter(self.drafters.values()), None)
 
 
 def check_same_vocabulary(target: Checkpoint, draft: Checkpoint) -> None:
@@ -65,34 +80,93 @@ def usable_device(name: torch.device | str) -> torch.device:
     return device
 
 
-def load_engines(
+def open_checkpoints(
     target: str | Path | None,
-    draft: str | Path | None,
+    drafts: Sequence[DraftSpec],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
     max_context: int | None = None,
     cuda_graphs: bool | None = None,
     compiled: bool = False,
-) -> tuple[Checkpoint, TorchEngine, Drafter | None]:
-    """Load the target (the embedded default model when None) and the drafter: None or "none" for plain
-    decoding, "ngram" for prompt lookup, else a draft checkpoint directory or GGUF file, which "ngram+" before
-    it puts behind prompt lookup. ``cuda_graphs`` and ``compiled``: see ``TorchEngine`` (graphs are on by
-    default on a CUDA device; compiling is off)."""
+) -> LoadedModels:
+    """The target checkpoint (the embedded default model when None) on the PyTorch engine, and a drafter per
+    draft: prompt lookup, or a draft checkpoint (each loaded once), alone or behind prompt lookup.
+    ``cuda_graphs`` and ``compiled``: see ``TorchEngine``."""
     device = usable_device(device)
-    lookup, draft = split_lookup_first(draft)
-    target_path = target if target is not None else default_model_path()
-    draft_model = draft is not None and str(draft) not in (*DRAFT_NONE, DRAFT_NGRAM)
-    if draft_model:  # refuse a mismatched draft before reading any weights
-        check_same_vocabulary(read_header(target_path), read_header(draft))
-    target_ck = load_checkpoint(target_path, dtype)
-    draft_ck = load_checkpoint(draft, dtype) if draft_model else None
-    drafter: Drafter | None = PromptLookupDrafter(device=device) if str(draft) == DRAFT_NGRAM else None
-    target_engine = TorchEngine.from_checkpoint(target_ck, max_context, device, cuda_graphs, compiled)
-    if draft_ck is not None:
-        draft_context = min(target_engine.max_context, draft_ck.config.max_context)
-        drafter = ModelDrafter(TorchEngine.from_checkpoint(draft_ck, draft_context, device, cuda_graphs, compiled))
-        drafter = LookupFirstDrafter(drafter) if lookup else drafter
-    return target_ck, target_engine, drafter
+    target_path = Path(target) if target is not None else default_model_path()
+    for spec in drafts:
+        if spec.is_own:
+            raise ValueError(
+                f"draft {str(spec)!r} names an engine directory's own draft; with a target checkpoint give a "
+                "draft checkpoint, 'ngram' or 'none'"
+            )
+    paths = list(dict.fromkeys(spec.model_path for spec in drafts if spec.model_path is not None))
+    header = read_header(target_path)
+    for path in paths:  # refuse a mismatched draft before reading any weights
+        check_same_vocabulary(header, read_header(path))
+    checkpoint = load_checkpoint(target_path, dtype)
+    engine = TorchEngine.from_checkpoint(checkpoint, max_context, device, cuda_graphs, compiled)
+    models: dict[Path, ModelDrafter] = {}
+    for path in paths:
+        draft = load_checkpoint(path, dtype)
+        context = min(engine.max_context, draft.config.max_context)
+        models[path] = ModelDrafter(TorchEngine.from_checkpoint(draft, context, device, cuda_graphs, compiled))
+    loaded = LoadedModels(engine, checkpoint.tokenizer, list(checkpoint.config.eos_token_ids))
+    loaded.target_checkpoint = target_path
+    for spec in drafts:
+        model = None if spec.model_path is None else models[spec.model_path]
+        _add(loaded, spec, None if model is None else spec.model_path.name, model, device)
+        if model is not None:
+            loaded.draft_checkpoints[spec.model_path.name] = spec.model_path
+    return loaded
+
+
+def open_engine_directory(
+    directory: str | Path, drafts: Sequence[DraftSpec], threads: int | None = None
+) -> LoadedModels:
+    """Check an engine directory (schema, checksums) and open its target on ONNX Runtime, with a drafter per
+    draft: prompt lookup, the directory's own draft ("engine", or "int4" when it is the target quantized),
+    or the target of another engine directory with the same vocabulary; each alone or behind prompt lookup."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    # ONNX Runtime's thread pool owns the cores; torch only samples here, and its own threads waking
+    # beside ONNX Runtime's slow every step.
+    torch.set_num_threads(1)
+    tokenizer = load_tokenizer(directory / "tokenizer") if (directory / "tokenizer").is_dir() else None
+    target = OrtEngine(model_spec(directory, manifest.target), threads)
+    loaded = LoadedModels(target, tokenizer, list(manifest.target.eos_token_ids))
+    loaded.target_checkpoint = Path(manifest.target.source)
+    own: ModelDrafter | None = None
+    others: dict[Path, tuple[ModelDrafter, Path]] = {}  # other engine directories as drafts, each opened once
+    for spec in drafts:
+        model, label = None, None
+        if spec.is_own:
+            own = own or _own_drafter(directory, manifest, spec, target, threads)
+            model, label = own, INT4 if manifest.draft_kind == INT4 else ENGINE
+            if manifest.draft_kind != INT4:
+                loaded.draft_checkpoints[label] = Path(manifest.draft.source)
+        elif spec.model_path is not None:
+            path = spec.model_path
+            if path not in others:
+                others[path] = _other_directory_drafter(path, manifest, tokenizer, threads)
+            (model, source), label = others[path], path.name
+            loaded.draft_checkpoints[label] = source
+        _add(loaded, spec, label, model, target.device)
+    return loaded
+
+
+def load_engines(
+    target: str | Path | None,
+    draft: str | Path | DraftSpec | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    max_context: int | None = None,
+    cuda_graphs: bool | None = None,
+    compiled: bool = False,
+) -> tuple[LoadedModels, TorchEngine, Drafter | None]:
+    """``open_checkpoints`` with one draft: the load, its target engine and its drafter (None: plain)."""
+    loaded = open_checkpoints(target, [DraftSpec.parse(draft)], device, dtype, max_context, cuda_graphs, compiled)
+    return loaded, loaded.target, loaded.only_drafter()
 
 
 def model_spec(directory: Path, entry: ModelEntry) -> OrtModelSpec:
@@ -109,34 +183,51 @@ def model_spec(directory: Path, entry: ModelEntry) -> OrtModelSpec:
     )
 
 
-def load_engine_directory(
-    directory: str | Path, draft: str | None = DRAFT_FROM_ENGINES, provider: str = "cpu", threads: int | None = None
-) -> tuple[Manifest, PreTrainedTokenizerBase | None, OrtEngine, Drafter | None]:
-    """Check an engine directory (schema, checksums) and open its engines on ONNX Runtime. ``draft`` is
-    "engine" (the directory's own draft, if it was built with one), "ngram", "ngram+engine" (prompt lookup, the
-    directory's draft where it finds nothing), or None / "none"."""
-    directory = Path(directory)
-    lookup, draft = split_lookup_first(draft)
-    if lookup and draft != DRAFT_FROM_ENGINES:
-        raise ValueError(f"draft 'ngram+{draft}' for an engine directory must be 'ngram+engine'")
-    manifest = read_manifest(directory)
-    # ONNX Runtime's thread pool owns the cores; torch only samples here, and its own threads waking
-    # beside ONNX Runtime's slowed every step (measured: 34 vs 46 tok/s speculative on 2 cores).
-    torch.set_num_threads(1)
-    tokenizer = load_tokenizer(directory / "tokenizer") if (directory / "tokenizer").is_dir() else None
-    target = OrtEngine(model_spec(directory, manifest.target), provider, threads)
-    drafter: Drafter | None = None
-    if draft == DRAFT_NGRAM:
-        drafter = PromptLookupDrafter()
-    elif draft == DRAFT_FROM_ENGINES and manifest.draft is not None:
-        draft_engine = OrtEngine(model_spec(directory, manifest.draft), provider, threads)
-        # A self-draft shares the target's cache layout: it starts from the target's prompt cache (measured
-        # on SmolLM2: 3 ms instead of a 700 ms int4 prefill of 380 tokens, with acceptance as high or higher),
-        # and copies the keys and values of later tokens from the target too, feeding only the newest one.
-        drafter = ModelDrafter(draft_engine, cache_from=target if manifest.draft_kind == "int4" else None)
-        drafter = LookupFirstDrafter(drafter) if lookup else drafter
-    elif lookup:
-        raise ValueError(f"{directory} was built without a draft: 'ngram+engine' needs one (or use 'ngram')")
-    elif draft not in (None, DRAFT_FROM_ENGINES, *DRAFT_NONE):
-        raise ValueError(f"draft {draft!r} for an engine directory must be 'engine', 'ngram', 'ngram+engine' or 'none'")
-    return manifest, tokenizer, target, drafter
+def _own_drafter(
+    directory: Path, manifest: Manifest, spec: DraftSpec, target: OrtEngine, threads: int | None
+) -> ModelDrafter:
+    if manifest.draft is None:
+        raise ValueError(f"{directory} was built without a draft: --draft {spec} needs one (use ngram or none)")
+    if spec.model == INT4 and manifest.draft_kind != INT4:
+        raise ValueError(f"{directory}'s draft is a {manifest.draft_kind} draft, not int4: use --draft {ENGINE}")
+    engine = OrtEngine(model_spec(directory, manifest.draft), threads)
+    # A self-draft shares the target's cache layout: it starts from the target's prompt cache and copies the
+    # keys and values of later tokens from the target too, feeding only the newest one.
+    return ModelDrafter(engine, cache_from=target if manifest.draft_kind == INT4 else None)
+
+
+def _other_directory_drafter(
+    path: Path, manifest: Manifest, tokenizer: PreTrainedTokenizerBase | None, threads: int | None
+) -> tuple[ModelDrafter, Path]:
+    """The target of another engine directory as a draft (and the checkpoint it was built from), after
+    checking that it shares the vocabulary."""
+    if not (path / MANIFEST_NAME).is_file():
+        raise ValueError(
+            f"draft {path} is not an engine directory: with --engines a draft is 'engine', 'int4', 'ngram', "
+            "'ngram+engine', another engine directory or 'none' (draft checkpoints go with --target)"
+        )
+    other = read_manifest(path)
+    other_tokenizer = load_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
+    if other.target.vocab_size != manifest.target.vocab_size or (
+        other_tokenizer is not None and tokenizer is not None and other_tokenizer.get_vocab() != tokenizer.get_vocab()
+    ):
+        raise VocabularyMismatchError(f"the engines in {path} do not share the target's vocabulary")
+    return ModelDrafter(OrtEngine(model_spec(path, other.target), threads)), Path(other.target.source)
+
+
+def _add(
+    loaded: LoadedModels, spec: DraftSpec, label: str | None, model: ModelDrafter | None, device: torch.device
+) -> None:
+    """Name the drafter ``spec`` asks for (plain decoding adds none); two drafts under one name would be
+    measured as one, so that is an error."""
+    if not spec.drafts:
+        return
+    if model is None:
+        label, drafter = NGRAM, PromptLookupDrafter(device=device)
+    elif spec.lookup:
+        label, drafter = LOOKUP_FIRST + label, LookupFirstDrafter(model)
+    else:
+        drafter = model
+    if label in loaded.drafters:
+        raise ValueError(f"two drafts are named {label!r}: give each draft once, with distinct directory names")
+    loaded.drafters[label] = drafter

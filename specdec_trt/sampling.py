@@ -63,7 +63,7 @@ def _is_int(value: object) -> bool:
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
     """Index of the maximum over the last dimension (the first one on ties, as torch's). On the CPU it runs
-    NumPy's vectorised kernel: 3 us over a 49,152-token vocabulary, against 87 us for torch's (one thread)."""
+    NumPy's vectorised kernel, many times faster than torch's on one thread."""
     if scores.device.type == "cpu":
         return torch.from_numpy(scores.detach().numpy().argmax(-1))
     return scores.argmax(-1)
@@ -121,7 +121,7 @@ class BatchSampler:
         per_row = (slice(None), None, None)
         # Shifting by the row maximum first keeps huge logits finite when divided by a small temperature.
         # Every step after the first works in place: on a CPU each fresh vocabulary-sized tensor of a
-        # multi-token verify costs more than the arithmetic (5 x 49,152 at temperature 0.8: 2.7 ms, 0.5 ms in place).
+        # multi-token verify costs more than the arithmetic.
         scores = logits - logits.amax(-1, keepdim=True)
         scores.div_(torch.where(self.greedy, 1.0, self.temperature)[per_row])
         if self._needs_sort:

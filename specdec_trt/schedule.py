@@ -1,39 +1,15 @@
 """Acceptance-driven draft length ("auto" gamma): whether and how far each round drafts, for the most tokens/s.
 
-Cost model of one round of a batch that drafts g tokens:
+A round that drafts g tokens takes time(g) = [g > 0] (d + c g) + a + b g (drafting, then verifying g + 1
+tokens; both lines fitted by decayed least squares) and yields tokens(g) = sum over active rows of
+1 + p_1 + p_1 p_2 + ... + p_1 ... p_g, where p_i is the row's acceptance of its i-th draft given the ones
+before it were accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence
+decays per drafted token, so the estimates follow the text. The chosen g maximises tokens(g) / time(g); g = 0
+is a plain step, and at least every ``probe_every``-th round drafts so acceptance keeps being measured.
 
-    time(g)   = [g > 0] (d + c g) + a + b g               drafting: d per round (feeding the committed tokens
-                                                          the draft lacks) and c per drafted token; verifying
-                                                          g + 1 tokens: a + b g. Both lines are fitted by
-                                                          decayed least squares over observed rounds (until two
-                                                          distinct lengths were seen: d = 0 and b = 0)
-    tokens(g) = sum over active rows r of E_r(g),         E_r(g) = 1 + p_r1 + p_r1 p_r2 + ... + p_r1 ... p_rg
-
-where p_ri is row r's acceptance of its i-th draft given the ones before it were accepted. Acceptance is
-bursty (a rejection often follows a rejection; a run of easy text accepts whole drafts), so later drafts are
-accepted more often than the first, and a single per-token rate undervalues long drafts. Each p_ri is
-estimated from the rounds that reached draft i, shrunk towards the row's pooled rate p_r, a geometric
-maximum-likelihood estimate on top of a weak fixed prior (successes: accepted drafts; trials: accepted drafts
-plus one when the round rejected a draft); drafts never reached yet take p_r. All evidence decays by
-``decay`` per drafted token, so the estimates follow the text, prose then code, over the same number of
-drafts whatever gamma is (a decay per round would let short drafts starve the estimate, pulling it to the
-prior and keeping drafts short); a plain round fades it as one draft would, so that evidence from a stretch
-of rejected drafts does not outlive the text it came from. The chosen gamma maximises tokens(g) / time(g) over
-0 .. min(max_draft, tokens still needed). Gamma 0 (a plain target step) is allowed, but at least every
-``probe_every``-th round drafts, so acceptance keeps being measured.
-
-A draft that reports its confidence (a model draft: its probability of each token it drafted; prompt lookup:
-a confidence that grows with the length of the repeat each copied token continues) drafts up to the limit
-whenever drafting pays, and the round ends once one more draft token is expected to add fewer tokens than it
-costs. The draft's confidence is calibrated online: judged draft tokens are binned by
-confidence, and each bin's acceptance is estimated the same decayed way, starting from the bin's own
-confidence (a draft accepted as often as it is confident) and moving to what the verifier measures.
-After each drafted token, S_r, the chance that row r's drafts so far are all accepted, is multiplied by the
-calibrated acceptance of that token; the next token would add sum_r S_r p_r expected tokens and cost
-(c + b) seconds, worth rate * (c + b) tokens at the best rate the model predicts, and the round stops when
-it would add fewer. Acceptance is bursty in the text (hard tokens come in clusters, easy stretches run
-long), and the draft's confidence sees it token by token, where a length chosen before the round cannot.
-The controller is deterministic given its observations.
+A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
+the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
+calibrated against the verifier's verdicts. The controller is deterministic given its observations.
 """
 
 from __future__ import annotations

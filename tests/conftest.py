@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from specdec_trt.runtime.ort_engine import size_thread_pool
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -27,6 +26,8 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+
+from specdec_trt.runtime.ort_engine import size_thread_pool
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -21,13 +21,13 @@ import pytest
 import torch
 from click.testing import CliRunner, Result
 from conftest import CHARS, build_model, char_tokenizer
+
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build import STAGES, BuildError, BuildRequest, build, check_request
 from specdec_trt.build_engines.checkpoint import CheckpointError
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, read_manifest
 from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt.build_engines.onnx_export import ExportError
-
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.build import STAGES, BuildError, BuildRequest, build, check_request
 from specdec_trt.cli import build_command, run
 from specdec_trt.loading import VocabularyMismatchError
 
@@ -307,9 +307,9 @@ def test_specdec_run_on_built_engines(built: Built) -> None:
     assert default["stats"]["drafted_tokens"] > 0
     int4 = run_json("--engines", built.int4_draft, "--json", "-n", "8", prompt)
     assert int4["stats"]["drafted_tokens"] > 0
-    plain = run_json("--engines", built.no_draft, "--json", "-n", "8", prompt)
-    assert plain["draft"] == "engine" and plain["num_draft_tokens"] == 0 and plain["stats"]["drafted_tokens"] == 0
-    ngram = run_json("--engines", built.no_draft, "--draft", "ngram", "--json", "-n", "8", prompt)
+    plain = run_json("--engines", built.no_draft, "--draft", "none", "--json", "-n", "8", prompt)
+    assert plain["draft"] == "none" and plain["num_draft_tokens"] == 0 and plain["stats"]["drafted_tokens"] == 0
+    ngram = run_json("--engines", built.no_draft, "--json", "-n", "8", prompt)  # no draft in it: prompt lookup
     assert ngram["draft"] == "ngram" and ngram["stats"]["drafted_tokens"] > 0
     assert model_draft["token_ids"] == default["token_ids"] == int4["token_ids"] == plain["token_ids"]
     assert ngram["token_ids"] == plain["token_ids"]

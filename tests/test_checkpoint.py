@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import FAMILIES, build_model, char_tokenizer, save_checkpoint
+
 from specdec_trt.build_engines.checkpoint import CheckpointError, load_checkpoint, load_transformers_model
 
 

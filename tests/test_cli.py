@@ -12,10 +12,9 @@ import pytest
 from click.testing import CliRunner
 from conftest import TEXT_VOCAB_SIZE
 from rich.console import Console
-from specdec_trt.build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION
 
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt import cli as cli_module
+from specdec_trt import SamplingParams, SpeculativeDecoder, cli_options
+from specdec_trt.build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION
 from specdec_trt.cli import run
 
 
@@ -99,7 +98,7 @@ def test_chat_template(target) -> None:
         (["-k", "automatic", "x"], 2, "'automatic' is neither a draft length (an integer from 0 to 64) nor 'auto'"),
         (["-k", "65", "x"], 2, "neither a draft length"),
         (["--num-draft-tokens", "-1", "x"], 2, "neither a draft length"),
-        (["--provider", "cpu", "x"], 2, "--provider does not apply to the PyTorch engine"),
+        (["--engines", ".", "x"], 2, "--engines and --target are alternatives"),
     ],
 )
 def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message: str) -> None:
@@ -146,9 +145,9 @@ def test_default_engines_are_built_when_missing_or_stale(tmp_path, monkeypatch, 
         directory.mkdir(parents=True)
         (directory / MANIFEST_NAME).write_text(json.dumps({"schema_version": cached_version}))
     builds = []
-    monkeypatch.setattr(cli_module, "_build_with_progress", lambda request, err: builds.append(request))
+    monkeypatch.setattr(cli_options, "build_with_progress", lambda request, err: builds.append(request))
     console = Console(record=True, width=200)
-    assert cli_module.default_engines(console) == directory
+    assert cli_options.default_engines(console) == directory
     assert [(b.out, b.force) for b in builds] == ([(directory, True)] if rebuilt else [])
     message = console.export_text()
     assert ("Building the default engines" in message) == rebuilt

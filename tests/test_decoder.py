@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import CHARS, TEXT_VOCAB_SIZE, build_model, char_tokenizer
-from specdec_trt.build_engines.checkpoint import CheckpointError
-from specdec_trt.runtime.engine import ContextOverflowError
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build_engines.checkpoint import CheckpointError
 from specdec_trt.loading import VocabularyMismatchError
+from specdec_trt.runtime.engine import ContextOverflowError
 
 SAMPLED = SamplingParams(max_new_tokens=24, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)
 

@@ -12,11 +12,11 @@ import torch
 from click.testing import CliRunner
 from conftest import char_tokenizer
 from safetensors.torch import load_file
-from specdec_trt.build_engines.checkpoint import read_config
-from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest, build
+from specdec_trt.build_engines.checkpoint import read_config
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt.distill import DataSettings, DistillConfig, DistillError, TrainSettings, distill
 from specdec_trt.distill.cli import distill_command
 from specdec_trt.distill.corpus import text_files, text_paths

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import TEXT_VOCAB_SIZE
-from specdec_trt.build_engines.checkpoint import read_config
-from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
-from specdec_trt.runtime.transfer import count_host_syncs
 
 from specdec_trt import SamplingParams, SpeculativeDecoder, rejection
+from specdec_trt.build_engines.checkpoint import read_config
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt.decoder import AUTO
 from specdec_trt.distill import DataSettings, DistillConfig, TrainSettings, distill
 from specdec_trt.rejection import rejection_sample
+from specdec_trt.runtime.transfer import count_host_syncs
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 import pytest
 from conftest import FAMILIES
-from specdec_trt.build_engines.checkpoint import load_checkpoint
-from specdec_trt.runtime.torch_engine import TorchEngine
 
 import specdec_trt.decoder
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build_engines.checkpoint import load_checkpoint
 from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter, StopRule, confidence_below
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
 MAX_DRAFT = 8

@@ -15,6 +15,10 @@ import onnxruntime
 import pytest
 from click.testing import CliRunner, Result
 from conftest import TEXT_VOCAB_SIZE
+from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE, build_all
+
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build import BuildRequest
 from specdec_trt.build_engines.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -23,10 +27,6 @@ from specdec_trt.build_engines.manifest import (
     read_manifest,
 )
 from specdec_trt.build_engines.onnx_export import OPSET
-from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE, build_all
-
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.build import BuildRequest
 from specdec_trt.cli import run
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)

@@ -14,12 +14,6 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import FAMILIES
-from specdec_trt.build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
-from specdec_trt.build_engines.model import ModelConfig, UnsupportedModelError
-from specdec_trt.runtime import cuda_graphs
-from specdec_trt.runtime.cpu_linear import TransposedLinear
-from specdec_trt.runtime.engine import ContextOverflowError
-from specdec_trt.runtime.torch_engine import TorchEngine
 from torch._dynamo.utils import counters
 from transformers import (
     AutoConfig,
@@ -29,6 +23,13 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+from specdec_trt.build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
+from specdec_trt.build_engines.model import ModelConfig, UnsupportedModelError
+from specdec_trt.runtime import cuda_graphs
+from specdec_trt.runtime.cpu_linear import TransposedLinear
+from specdec_trt.runtime.engine import ContextOverflowError
+from specdec_trt.runtime.torch_engine import TorchEngine
 
 ATOL = 1e-4
 MAX_DRAFT_LEN = 8

@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from test_losslessness import (
     MAX_CONTEXT,
     PASS_P,
@@ -28,6 +27,7 @@ from test_losslessness import (
 from transformers import AutoModelForCausalLM
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt.drafting import Draft, ModelDrafter
 from specdec_trt.loading import load_engines
 from specdec_trt.sampling import BatchSampler

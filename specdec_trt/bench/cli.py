@@ -13,35 +13,27 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from specdec_trt.bench.backends import Backend, open_checkpoints, open_engines, open_transformers
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
 from specdec_trt.bench.methods import (
     HEURISTIC,
     HEURISTIC_CONFIDENCE,
     HEURISTIC_START,
-    NGRAM,
     OURS,
     TRANSFORMERS,
     Method,
+    OursRunner,
+    TransformersRunner,
 )
 from specdec_trt.bench.plots import write_plots
 from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.bench.summary import summarise
-from specdec_trt.build_engines.checkpoint import default_model_path
-from specdec_trt.cli import (
-    COMPILE_HELP,
-    DTYPES,
-    ENFORCE_EAGER_HELP,
-    check_backend_options,
-    default_engines,
-    engines_option,
-    number_list,
-)
-from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
-from specdec_trt.loading import DRAFT_FROM_ENGINES
-from specdec_trt.runtime.ort_engine import PROVIDERS
+from specdec_trt.build_engines.model import DTYPES
+from specdec_trt.cli_options import BackendOptions, backend_options, number_list
+from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength, check_context, check_draft_length
+from specdec_trt.draft_spec import ENGINE, NGRAM, DraftSpec
+from specdec_trt.loading import LoadedModels
 
 
 def _draft_lengths(schedule: str):
@@ -71,12 +63,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@engines_option
-@click.option(
-    "--target",
-    type=click.Path(exists=True, path_type=Path),
-    help="Target checkpoint (directory or .gguf) on the PyTorch engine, on --device.",
-)
+@backend_options
 @click.option(
     "--draft",
     "drafts",
@@ -149,17 +136,6 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     type=click.Path(exists=True, path_type=Path),
     help="Checkpoint for transformers' peers. [default: the checkpoint the target was built from]",
 )
-@click.option("--provider", type=click.Choice(sorted(PROVIDERS)), help="ONNX Runtime provider. [default: cpu]")
-@click.option("--threads", type=click.IntRange(min=1), help="Threads for every method. [default: one per core]")
-@click.option(
-    "--device",
-    help="torch device (cpu, cuda, cuda:1, ...) for the PyTorch engine and transformers' peers; without "
-    "--target it runs the default model's checkpoint. [default: cpu]",
-)
-@click.option("--dtype", type=click.Choice(sorted(DTYPES)), help="Weight dtype with --target. [default: float32]")
-@click.option("--max-context", type=click.IntRange(min=8), help="KV cache positions with --target.")
-@click.option("--enforce-eager", is_flag=True, default=None, help=ENFORCE_EAGER_HELP)
-@click.option("--compile", "compile_steps", is_flag=True, default=None, help=COMPILE_HELP)
 @click.option(
     "--out",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -181,8 +157,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     help="Also write the benchmarks document (e.g. docs/BENCHMARKS.md) from this run.",
 )
 def bench(
-    engines: Path | None,
-    target: Path | None,
+    backend: BackendOptions,
     drafts: tuple[str, ...],
     suites: tuple[str, ...],
     limit: int,
@@ -196,13 +171,6 @@ def bench(
     seed: int,
     peers: bool,
     hf_target: Path | None,
-    provider: str | None,
-    threads: int | None,
-    device: str | None,
-    dtype: str | None,
-    max_context: int | None,
-    enforce_eager: bool | None,
-    compile_steps: bool | None,
     out: Path,
     plots_dir: Path | None,
     from_json: Path | None,
@@ -225,26 +193,11 @@ def bench(
         data = json.loads(from_json.read_text())
         methods = [Method(m["family"], m["draft"], m["num_draft_tokens"]) for m in data["methods"]]
         data["summary"] = summarise(data["runs"], methods)
-        _write_outputs(data, plots_dir or from_json.with_name(from_json.stem + "-plots"), markdown, err)
+        _write_outputs(data, from_json, plots_dir or from_json.with_name(from_json.stem + "-plots"), markdown, err)
         return
-    if device is not None and engines is None and target is None:
-        target = default_model_path()  # a torch device means the PyTorch engine
-    check_backend_options(
-        engines,
-        target,
-        {
-            "provider": provider,
-            "device": device,
-            "dtype": dtype,
-            "max_context": max_context,
-            "enforce_eager": enforce_eager,
-            "compile": compile_steps,
-        },
-    )
     if not peers and (hf_target or peer_gammas):
         raise click.UsageError("--hf-target and --peer-num-draft-tokens need the transformers peers (--peers)")
-    torch_threads = threads or os.cpu_count() or 1  # transformers' and the PyTorch engine's pool
-    torch_dtype = DTYPES[dtype or "float32"]
+    torch_threads = backend.threads or os.cpu_count() or 1  # transformers' and the PyTorch engine's pool
     transformers.logging.set_verbosity_error()  # generation-config chatter would break the progress bar
     transformers.logging.disable_progress_bar()
     config = BenchConfig(
@@ -258,37 +211,27 @@ def bench(
         seed=seed,
         ignore_eos=ignore_eos,
     )
+    default_drafts = (NGRAM,) if backend.on_pytorch else (ENGINE, NGRAM)
     try:
-        loaded = [load_suite(name) for name in config.suites]
-        if engines is None and target is None:
-            engines = default_engines(err)
+        specs = [DraftSpec.parse(d) for d in drafts or default_drafts]
+        loaded_suites = [load_suite(name) for name in config.suites]
+        backend = backend.resolved(err)
         with err.status("Loading models…"):
-            if target is not None:
-                backend = open_checkpoints(
-                    target,
-                    list(drafts or (NGRAM,)),
-                    device or "cpu",
-                    torch_dtype,
-                    max_context,
-                    torch_threads,
-                    cuda_graphs=False if enforce_eager else None,
-                    compiled=bool(compile_steps),
-                )
-            else:
-                backend = open_engines(engines, list(drafts or (DRAFT_FROM_ENGINES, NGRAM)), provider or "cpu", threads)
-            _check_fits(config, loaded, backend)
-            runner_for: dict = {OURS: backend.ours}
-            methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in backend.drafts for k in gammas]
+            models = backend.open(specs, err)
+            ours = OursRunner(models, torch_threads if backend.on_pytorch else 1)
+            _check_fits(config, loaded_suites, models, ours)
+            runner_for: dict = {OURS: ours}
+            methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in models.drafters for k in gammas]
             if peers:
-                runner_for[TRANSFORMERS] = open_transformers(
-                    hf_target or backend.target_checkpoint,
-                    backend.draft_checkpoints,
-                    backend.device,
-                    torch_dtype,
+                runner_for[TRANSFORMERS] = TransformersRunner.open(
+                    hf_target or models.target_checkpoint,
+                    models.draft_checkpoints,
+                    str(models.target.device),
+                    DTYPES[backend.dtype or "float32"],
                     torch_threads,
-                    backend.eos_token_ids,
+                    models.eos_token_ids,
                 )
-                peer_drafts = [d for d in backend.drafts if d == NGRAM or d in backend.draft_checkpoints]
+                peer_drafts = [d for d in models.drafters if d == NGRAM or d in models.draft_checkpoints]
                 methods.append(Method(TRANSFORMERS, None))
                 lengths = peer_gammas or peer_lengths(gammas)
                 methods += [
@@ -297,11 +240,11 @@ def bench(
     except ValueError as error:
         raise click.ClickException(str(error)) from error
     command = "specdec-bench " + shlex.join(sys.argv[1:])
-    results = BenchResults(config, methods, environment(backend.device, torch_threads), command)
-    interrupted = _measure(results, loaded, runner_for, backend.ours.encode, out, err)
+    results = BenchResults(config, methods, environment(str(models.target.device), torch_threads), command)
+    interrupted = _measure(results, loaded_suites, runner_for, ours.encode, out, err)
     results.write(out)
     err.print(f"Wrote {out}")
-    _write_outputs(results.to_json(), plots_dir or out.with_name(out.stem + "-plots"), markdown, err)
+    _write_outputs(results.to_json(), out, plots_dir or out.with_name(out.stem + "-plots"), markdown, err)
     if interrupted:
         err.print(f"[yellow]Interrupted[/yellow]: {out} holds every prompt finished so far.")
         sys.exit(130)
@@ -332,27 +275,22 @@ def _measure(results: BenchResults, suites: list[Suite], runner_for: dict, encod
     return False
 
 
-def _check_fits(config: BenchConfig, suites: list[Suite], backend: Backend) -> None:
+def _check_fits(config: BenchConfig, suites: list[Suite], models: LoadedModels, ours: OursRunner) -> None:
     """Refuse, before any timing, a draft length the engine cannot verify or a prompt that cannot fit."""
+    built_for = models.target.max_draft_len
     fixed = [k for k in config.num_draft_tokens if k != AUTO]
-    if fixed and backend.max_draft_len is not None and max(fixed) > backend.max_draft_len:
-        raise ValueError(
-            f"--num-draft-tokens {max(fixed)} exceeds the {backend.max_draft_len} drafts the engines were "
-            "built for: sweep fewer or rebuild with specdec-build --max-draft-len"
-        )
-    auto_reach = [backend.max_draft_len or AUTO_MAX_DRAFT_TOKENS] if AUTO in config.num_draft_tokens else []
-    longest_draft = max(fixed + auto_reach)
+    for gamma in fixed:
+        check_draft_length(gamma, built_for)
+    reach = max(fixed + ([built_for or AUTO_MAX_DRAFT_TOKENS] if AUTO in config.num_draft_tokens else []))
     for suite in suites:
         for prompt in suite.prompts[: config.limit]:
-            needed = len(backend.ours.encode(prompt)) + config.max_new_tokens + longest_draft
-            if needed > backend.max_context:
-                raise ValueError(
-                    f"prompt {prompt.id} of suite {suite.name} needs {needed} positions with --max-new-tokens "
-                    f"{config.max_new_tokens}, more than the max context {backend.max_context}"
-                )
+            try:
+                check_context(len(ours.encode(prompt)), config.max_new_tokens, reach, models.max_context)
+            except ValueError as error:
+                raise ValueError(f"prompt {prompt.id} of suite {suite.name}: {error}") from error
 
 
-def _write_outputs(data: dict, plots_dir: Path, markdown: Path | None, err: Console) -> None:
+def _write_outputs(data: dict, source: Path, plots_dir: Path, markdown: Path | None, err: Console) -> None:
     """The tables on stdout, the plots, and the benchmarks document when asked for."""
     click.echo(markdown_tables(data["summary"]))
     versus = auto_table(data["summary"])
@@ -363,5 +301,6 @@ def _write_outputs(data: dict, plots_dir: Path, markdown: Path | None, err: Cons
         err.print(f"Wrote the plots into {plots_dir}")
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
-        markdown.write_text(benchmarks_document(data, plots, markdown))
+        rerender = f"specdec-bench --from-json {source} --plots-dir {plots_dir} --markdown {markdown}"
+        markdown.write_text(benchmarks_document(data, plots, markdown, rerender))
         err.print(f"Wrote {markdown}")

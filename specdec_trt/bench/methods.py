@@ -16,20 +16,21 @@ import contextlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
 from transformers.generation.streamers import BaseStreamer
 
 from specdec_trt.bench.suites import BenchPrompt
+from specdec_trt.build_engines.checkpoint import load_transformers_model
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
-from specdec_trt.drafting import Drafter
-from specdec_trt.runtime.engine import Engine
+from specdec_trt.draft_spec import NGRAM
+from specdec_trt.loading import LoadedModels
 from specdec_trt.sampling import SamplingParams
 
 OURS = "ours"
 TRANSFORMERS = "transformers"
-NGRAM = "ngram"
 HEURISTIC = "heuristic"
 # transformers' own defaults for assisted generation (GenerationConfig._get_default_generation_params in
 # transformers 5.x), set explicitly with the "heuristic" schedule: start at 20 drafts per round, +2 after
@@ -105,17 +106,10 @@ class OursRunner:
     ``torch_threads``: torch's pool size while generating: every core for PyTorch engines, 1 for ONNX
     Runtime engines (whose own pool owns the cores; torch only samples)."""
 
-    def __init__(
-        self,
-        target: Engine,
-        drafters: dict[str, Drafter],
-        tokenizer,
-        eos_token_ids: Sequence[int],
-        torch_threads: int,
-    ) -> None:
+    def __init__(self, models: LoadedModels, torch_threads: int) -> None:
         self._decoders = {
-            label: SpeculativeDecoder(target, drafter, tokenizer, eos_token_ids)
-            for label, drafter in {None: None, **drafters}.items()
+            label: SpeculativeDecoder(models.target, drafter, models.tokenizer, models.eos_token_ids)
+            for label, drafter in {None: None, **models.drafters}.items()
         }
         self.torch_threads = torch_threads
 
@@ -176,6 +170,28 @@ class TransformersRunner:
         self.assistants = assistants
         self.threads = threads
         self.eos_token_ids = list(eos_token_ids)
+
+    @classmethod
+    def open(
+        cls,
+        target: Path,
+        assistants: dict[str, Path],
+        device: str,
+        dtype: torch.dtype,
+        threads: int,
+        eos_token_ids: Sequence[int],
+    ) -> TransformersRunner:
+        """transformers' models on the target's checkpoint (and each draft checkpoint, as assistants)."""
+        if not target.exists():
+            raise ValueError(
+                f"transformers' peers need the target's checkpoint, {target}, which is not there: "
+                "give --hf-target or --no-peers"
+            )
+
+        def load(path: Path) -> PreTrainedModel:
+            return load_transformers_model(path, dtype).to(device)
+
+        return cls(load(target), {label: load(p) for label, p in assistants.items()}, threads, eos_token_ids)
 
     @torch.inference_mode()
     def run(self, method: Method, prompt_ids: list[int], params: SamplingParams) -> tuple[Run, list[int]]:

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from specdec_trt.build_engines.checkpoint import CheckpointError
-from specdec_trt.cli import number_list
+from specdec_trt.cli_options import number_list
 from specdec_trt.distill.pipeline import DataSettings, DistillConfig, DistillError, DistillReport, distill
 from specdec_trt.distill.trainer import TrainSettings
 
