@@ -4,11 +4,13 @@ Dispatched one by one from Python, a small model's kernels cost more to launch t
 is about 1,500 PyTorch operations (docs/GPU.md). A captured graph replays them all with one launch. A graph has
 fixed shapes and addresses, so:
 
-- there is one graph per (new tokens T, attention span) for the cache's batch size, captured the first time
-  that shape is asked for. Spans are powers of two from ``MIN_SPAN`` up to the max context, so a request
-  crosses only a few; positions past each row's length are masked inside the graph, from the per-row starts;
+- there is one graph per (new tokens T, attention span) for every row of the cache (its number of slots),
+  captured the first time that shape is asked for. Spans are powers of two from ``MIN_SPAN`` up to the max
+  context, so a request crosses only a few; positions past each row's length are masked inside the graph,
+  from the per-row starts;
 - token ids and per-row starts are copied into static buffers before each replay (queued, never waited for),
-  and the logits are copied out after it. The KV cache, allocated once per batch size, is the graphs' state;
+  and the logits are copied out after it. The KV cache, allocated once per number of slots, is the graphs'
+  state;
 - an input wider than ``MAX_GRAPH_TOKENS`` (a draft catching up after many plain rounds, say) runs eagerly,
   as vLLM runs batches larger than its largest captured size: each width would otherwise cost a capture.
 

@@ -3,26 +3,32 @@ CUDA device (``cuda_graphs``), optionally compiled by ``torch.compile`` into fus
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from specdec_trt.build_engines.checkpoint import Checkpoint
 from specdec_trt.build_engines.model import CompactDecoder
 from specdec_trt.runtime.cpu_linear import transpose_linears
-from specdec_trt.runtime.cuda_graphs import CapturedForward
-from specdec_trt.runtime.engine import check_prompt_lengths, check_room, check_truncate
+from specdec_trt.runtime.cuda_graphs import MAX_GRAPH_TOKENS, CapturedForward
+from specdec_trt.runtime.engine import Engine
+from specdec_trt.runtime.transfer import to_device
 
 DEFAULT_MAX_CONTEXT = 4096
 
 
-class TorchEngine:
-    """Engine protocol over ``CompactDecoder``. The cache is allocated once per batch size and reused;
-    truncation only moves the per-row length pointers (kept on the host, so no step waits for the device).
+class TorchEngine(Engine):
+    """The Engine protocol over ``CompactDecoder``. The cache [layers, slots, heads, positions, dim] is
+    allocated when slots are reserved; a step runs over a view of its rows, and rolling back only moves the
+    per-slot length pointers (kept on the host, so no step waits for the device).
 
     On a CPU the linear layers keep their weights transposed (``cpu_linear``): a step over several rows
     then needs no repacking of its weights.
 
-    ``cuda_graphs`` (default: on for a CUDA device) replays ``forward`` from CUDA graphs captured per shape;
-    ``prefill`` always runs without graphs. False runs every step eagerly, as vLLM's ``enforce_eager``.
+    ``cuda_graphs`` (default: on for a CUDA device) replays steps of up to ``MAX_GRAPH_TOKENS`` new tokens
+    from CUDA graphs captured for every slot of the cache (``cuda_graphs``); rows a step does not name get
+    tokens written past their length, which nothing reads. Wider steps (prefill chunks) and a step that would
+    leave some row no room for those tokens run eagerly. False runs every step eagerly, as vLLM's
+    ``enforce_eager``.
 
     ``compiled`` runs the decoder layers through ``torch.compile`` (Inductor): norms, rotary embeddings, cache
     writes and activations become a few fused kernels per layer instead of dozens, which is what bounds a small
@@ -38,6 +44,7 @@ class TorchEngine:
         cuda_graphs: bool | None = None,
         compiled: bool = False,
     ) -> None:
+        super().__init__()
         self.device = torch.device(device)
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if self.cuda_graphs and self.device.type != "cuda":
@@ -51,11 +58,10 @@ class TorchEngine:
                 layer.compile(dynamic=True, fullgraph=True)
         self.vocab_size = model.config.vocab_size
         self.max_context = model.max_context
-        self.max_draft_len: int | None = None  # any number of new tokens per forward
+        self.max_draft_len: int | None = None  # any number of new tokens per step
         self.dtype = next(model.parameters()).dtype
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._captured: CapturedForward | None = None  # the graphs over this cache, with cuda_graphs
-        self._lengths = torch.zeros(0, dtype=torch.int64)
+        self._captured: CapturedForward | None = None  # the graphs over every slot, with cuda_graphs
 
     @classmethod
     def from_checkpoint(
@@ -77,41 +83,52 @@ class TorchEngine:
         return cls(model.to(dtype), device, cuda_graphs, compiled)
 
     @property
-    def lengths(self) -> torch.Tensor:
-        return self._lengths.clone()
-
-    @property
     def num_graphs(self) -> int:
-        """CUDA graphs captured for the current batch size (0 when eager)."""
+        """CUDA graphs captured for the current number of slots (0 when eager)."""
         return 0 if self._captured is None else self._captured.num_graphs
 
-    @torch.inference_mode()
-    def prefill(self, token_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        batch, width = token_ids.shape
-        check_room(torch.tensor([width]), 0, self.max_context)
-        check_prompt_lengths(lengths, batch, width)
-        if self._cache is None or self._cache[0].shape[1] != batch:
-            self._cache = self.model.new_cache(batch, self.dtype, self.device)
+    def _resize(self, rows: int, keep_rows: int, keep_positions: int) -> None:
+        old, self._cache, self._captured = self._cache, None, None
+        if rows:
+            self._cache = self.model.new_cache(rows, self.dtype, self.device)
+            if old is not None and keep_rows:
+                for new_part, old_part in zip(self._cache, old):
+                    new_part[:, :keep_rows, :, :keep_positions] = old_part[:, :keep_rows, :, :keep_positions]
             self._captured = CapturedForward(self.model, *self._cache) if self.cuda_graphs else None
-        logits = self.model(token_ids, torch.zeros(batch, dtype=torch.int64), *self._cache, logits_at=lengths - 1)
-        self._lengths = lengths.to(torch.int64).clone()
-        return logits
+
+    def _move_row(self, source: int, destination: int, length: int) -> None:
+        for part in self._cache:
+            part[:, destination, :, :length] = part[:, source, :, :length]
+
+    def _swap_rows(self, a: int, b: int, length: int) -> None:
+        for part in self._cache:
+            kept = part[:, a, :, :length].clone()
+            part[:, a, :, :length] = part[:, b, :, :length]
+            part[:, b, :, :length] = kept
+
+    def _copy_positions(self, source: Engine, source_row: int, row: int, start: int, stop: int) -> None:
+        if not isinstance(source, TorchEngine) or source._cache[0].shape[2:] != self._cache[0].shape[2:]:
+            raise ValueError("copying a cache needs an engine with the same cache layout (a self-draft)")
+        for part, source_part in zip(self._cache, source._cache):
+            part[:, row, :, start:stop] = source_part[:, source_row, :, start:stop]
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        if self._cache is None:
-            raise RuntimeError("forward() before prefill(): start a batch with prefill first")
-        check_room(self._lengths, token_ids.shape[1], self.max_context)
-        if self._captured is not None:
-            logits = self._captured(token_ids, self._lengths)
-        else:
-            logits = self.model(token_ids, self._lengths, *self._cache)
-        self._lengths += token_ids.shape[1]
-        return logits
-
-    def truncate(self, lengths: torch.Tensor | int) -> None:
-        self._lengths = check_truncate(self._lengths, lengths)
-
-    def close(self) -> None:
-        self._cache = self._captured = None
-        self._lengths = torch.zeros(0, dtype=torch.int64)
+    def _run(
+        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_at: np.ndarray | None
+    ) -> torch.Tensor:
+        rows, width = token_ids.shape
+        if self._captured is not None and width <= MAX_GRAPH_TOKENS:
+            every = np.zeros(self.num_slots, dtype=np.int64)  # per cache row; free rows hold nothing
+            every[: len(self._slot_at)] = self._lengths[self._slot_at]
+            every[lo : lo + rows] = starts
+            if int(every.max()) + width <= self.max_context:  # every row has room for the tokens it is given
+                tokens = torch.zeros(self.num_slots, width, dtype=torch.int64, device=token_ids.device)
+                tokens[lo : lo + rows] = token_ids
+                logits = self._captured(tokens, torch.from_numpy(every))[lo : lo + rows]
+                if logits_at is None:
+                    return logits
+                at = to_device(torch.from_numpy(logits_at), logits.device)  # queued: no host sync
+                return logits[torch.arange(rows, device=logits.device), at]
+        k_cache, v_cache = (part[:, lo : lo + rows] for part in self._cache)
+        at = None if logits_at is None else torch.from_numpy(logits_at)
+        return self.model(token_ids, torch.from_numpy(starts), k_cache, v_cache, logits_at=at)

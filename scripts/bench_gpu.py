@@ -135,7 +135,8 @@ class Timer:
 
 def step_ms(engine, timer: Timer, context: int, new_tokens: int, repeats: int, warmup: int) -> float:
     """Median ms of one forward of ``new_tokens`` tokens after ``context`` cached tokens (rolled back after
-    each, so every sample sees the same context)."""
+    each, so every sample sees the same context). The slot is released after, so a decoder over the engine
+    can admit requests into it again."""
     generator = torch.Generator().manual_seed(context + new_tokens)
     prompt = torch.randint(3, engine.vocab_size, (1, context), generator=generator)
     tokens = torch.randint(3, engine.vocab_size, (1, new_tokens), generator=generator)
@@ -143,9 +144,10 @@ def step_ms(engine, timer: Timer, context: int, new_tokens: int, repeats: int, w
     samples = []
     for i in range(warmup + repeats):
         seconds, _ = timer(lambda: engine.forward(tokens))
-        engine.truncate(context)
+        engine.truncate_all(context)
         if i >= warmup:
             samples.append(seconds)
+    engine.release(0)
     return 1e3 * statistics.median(samples)
 
 

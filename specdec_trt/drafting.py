@@ -1,10 +1,13 @@
-"""Draft strategies: propose up to ``num_tokens`` next tokens for every row of a batch.
+"""Draft strategies: propose up to a number of next tokens for each row of a step, per slot.
 
-A drafter sees the committed sequences (prompt + accepted output, whose last token is not yet in any
-cache) and returns the drafted ids with the distributions they were sampled from (None when the drafts
-are deterministic, as for prompt lookup or an all-greedy batch: q is then one-hot on the drafted token).
+A drafter follows the sequences in the scheduler's slots: it admits a slot when a request arrives (its
+prompt arrives chunk by chunk through ``prefill``), drafts for the rows of a round after their committed
+sequences (prompt + accepted output, whose last token is not yet in any cache), and releases the slot when
+the request ends. It returns the drafted ids with the distributions they were sampled from (None when every
+draft is deterministic, as for prompt lookup or all-greedy rows: q is then one-hot on the drafted token),
+and how many tokens each row drafted (rows may draft different numbers: the verify pass takes each row's own).
 
-Given a stop rule, a drafter reports the confidence of every token it drafted (a model draft: its own
+Given stop rules, a drafter reports the confidence of every token it drafted (a model draft: its own
 probability of the token; prompt lookup: ``lookup_confidence`` of its match), so the caller can learn how well
 that confidence predicts acceptance, and asks the rule after each token whether to end the round there. This
 keeps decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits (and on
@@ -27,15 +30,24 @@ from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
 
-MODEL, LOOKUP = "model", "lookup"  # the parts a drafter reports (``Drafter.part``)
+MODEL, LOOKUP = "model", "lookup"  # the parts a drafter drafts with (``Drafter.parts``)
 LOOKUP_FIRST_MIN_NGRAM = 2  # shortest match on which lookup-first drafts by lookup rather than by its model
-StopRule = Callable[[torch.Tensor], bool]
-"""Asked after each drafted token with the draft's probability of it per row [B]: True ends the round there."""
+StopRule = Callable[[torch.Tensor, Sequence[int], np.ndarray], bool]
+"""Asked after each drafted token with the draft's probability of it per row [n], the rows' slots, and which
+rows are still drafting [n] (bool): True ends the round there."""
 
 
-def confidence_below(threshold: float) -> StopRule:
-    """A fixed cut-off: end the round after a token whose confidence is below ``threshold`` in every row."""
-    return lambda confidence: bool((confidence < threshold).all())
+def confidence_below(threshold: float, exempt: Sequence[int] = ()) -> StopRule:
+    """A fixed cut-off: end the round after a token whose confidence is below ``threshold`` in every row still
+    drafting, unless a row of an ``exempt`` slot (one that drafts a fixed number) still drafts."""
+
+    def rule(confidence: torch.Tensor, slots: Sequence[int], drafting: np.ndarray) -> bool:
+        held = np.isin(np.asarray(slots), np.asarray(exempt, dtype=np.int64))
+        if (drafting & held).any():
+            return False
+        return bool((confidence.cpu().numpy()[drafting] < threshold).all())
+
+    return rule
 
 
 def lookup_confidence(match_length: int, count: int) -> np.ndarray:
@@ -49,55 +61,74 @@ def lookup_confidence(match_length: int, count: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Draft:
-    """Drafted tokens [B, k] and the distributions they were drawn from [B, k, V] (None: one-hot); with a
-    stop rule, the draft's own probability of each drafted token [B, k] (else None)."""
+    """Drafted tokens [n, k], of which row r drafted its first ``num_drafts[r]`` (the rest is padding); the
+    distributions they were drawn from [n, k, V] (None: all one-hot); with stop rules, the draft's own
+    probability of each drafted token [n, k] (else None)."""
 
     token_ids: torch.Tensor
-    probs: torch.Tensor | None
+    num_drafts: torch.Tensor  # int64 [n], on the host
+    probs: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
+        """The widest row's drafts."""
         return self.token_ids.shape[1]
+
+    @classmethod
+    def empty(cls, rows: int, device: torch.device) -> Draft:
+        return cls(torch.zeros(rows, 0, dtype=torch.int64, device=device), torch.zeros(rows, dtype=torch.int64))
 
 
 class Drafter(Protocol):
-    """What the decoder needs from a draft strategy."""
+    """What the scheduler needs from a draft strategy."""
 
     max_context: int | None  # longest sequence the drafter can follow; None when unlimited
 
-    def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Start a batch from right-padded prompts [B, T] with real lengths [B]."""
+    def reserve(self, num_slots: int) -> None:
+        """Hold at least ``num_slots`` slots."""
 
-    def part(self, sequences: Sequence[Sequence[int]]) -> str:
-        """Which of the drafter's parts would draft the next round after ``sequences`` (a drafter combining
-        two kinds of draft, with their own acceptance and cost, gets one "auto" controller per part)."""
+    def occupied(self, slot: int) -> bool:
+        """Whether ``slot`` holds a sequence the drafter follows."""
+
+    def admit(self, slot: int) -> None:
+        """Start following a new sequence in ``slot``."""
+
+    def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
+        """The next chunk of each slot's prompt (the target has already run them)."""
+
+    def release(self, slot: int) -> None:
+        """Stop following ``slot``."""
+
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        """Which of the drafter's parts would draft each row next (a drafter combining two kinds of draft,
+        with their own acceptance and cost, has "auto" choose a draft length per part)."""
 
     def propose(
         self,
+        slots: Sequence[int],
         sequences: Sequence[Sequence[int]],
-        num_tokens: int,
+        limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rule: StopRule | None = None,
+        stop_rules: dict[str, StopRule] | None = None,
     ) -> Draft:
-        """Draft ``num_tokens`` (or fewer) tokens after each committed sequence. Given a ``stop_rule``, a
-        drafter with its own distribution reports each token's probability under the draft (softmax of its
-        raw logits) and ends the round after a token the rule stops at, keeping that token."""
+        """Draft up to ``limits[i]`` (>= 1) tokens after each committed sequence. Given ``stop_rules`` (per
+        part), a drafter reports each token's confidence and ends a part's round after a token its rule stops
+        at, keeping that token."""
 
 
 class ModelDrafter:
-    """Drafts by sampling autoregressively from a small model's engine, with the request's warping.
+    """Drafts by sampling autoregressively from a small model's engine, with each request's warping.
 
-    Cache bookkeeping: the drafter remembers, per row, how many committed tokens its cache held after the
+    Cache bookkeeping: the drafter remembers, per slot, how many committed tokens its cache held after the
     last round and which drafts it wrote after them. At the next round the drafts that were accepted are
-    still valid; every committed token after them is fed in one forward (usually the newest token, or the
-    last two when every draft was accepted and the draft never ran on its own last token; more after plain
-    rounds that drafted nothing). Rows feed one common width: a row needing fewer tokens re-feeds some it
-    has, which rewrites the same keys and values at the same positions, so there is no branch per row.
+    still valid; every committed token after them is fed in one step (usually the newest token, or the
+    last two when every draft was accepted and the draft never ran on its own last token; more after rounds
+    that drafted nothing for the row), each row with its own number of tokens.
 
     A self-draft (``cache_from``: the target's engine, with the same cache layout) feeds only each row's newest
-    token: the keys and values of the committed tokens before it, which the target's verify pass computed,
-    are copied from the target's cache, so even a long run of tokens the draft never saw (rounds drafted by
+    token: the keys and values of the committed tokens before it, which the target's passes computed, are
+    copied from the target's cache, so even a long run of tokens the draft never saw (rounds drafted by
     prompt lookup, plain rounds) costs one draft step. Its own keys and values of accepted drafts are replaced
     by the target's too, which took fewer rounds on every bench suite (docs/MEASUREMENTS.md) and makes the
     draft's proposals depend on the committed text alone, so ``specdec_trt.bench.replay`` replays them exactly.
@@ -107,80 +138,111 @@ class ModelDrafter:
         self.engine = engine
         self.cache_from = cache_from
         self.max_context: int | None = engine.max_context
-        self._cached: list[int] = []  # per row: committed tokens in the cache at the end of the last round
-        self._fed = HostCopy(torch.zeros(0, 0, dtype=torch.int64))  # [B, k - 1]: the drafts written after them
+        self._cached: dict[int, int] = {}  # per slot: committed tokens in the cache at the end of the last round
+        self._fed: dict[int, list[int]] = {}  # per slot: the drafts written after them
+        self._last_round: tuple[list[int], HostCopy] | None = None  # its slots and drafts, until read
 
-    def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Prefill the draft, or, with ``cache_from`` (a self-draft sharing the target's cache layout), copy
-        the target's cached prompt, which the decoder has prefilled already."""
+    def reserve(self, num_slots: int) -> None:
+        self.engine.reserve(num_slots)
+
+    def occupied(self, slot: int) -> bool:
+        return self.engine.occupied(slot)
+
+    def admit(self, slot: int) -> None:
+        self.engine.admit(slot)
+        self._cached[slot], self._fed[slot] = 0, []
+
+    def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
+        """Run the chunks on the draft in one step, or, for a self-draft, copy the target's keys and values."""
+        stops = [int(self.engine.lengths[slot]) + len(chunk) for slot, chunk in zip(slots, chunks)]
         if self.cache_from is not None:
-            self.engine.adopt_prompt_cache(self.cache_from)
+            for slot, stop in zip(slots, stops):
+                self.engine.copy_from(self.cache_from, slot, stop)
         else:
-            self.engine.prefill(prompt_ids, lengths)
-        self._cached = lengths.tolist()
-        self._fed = HostCopy(torch.zeros(len(lengths), 0, dtype=torch.int64))
+            sizes = [len(chunk) for chunk in chunks]
+            self.engine.step(slots, torch.tensor(pad_right(chunks)), sizes, [size - 1 for size in sizes])
+        self._cached.update(zip(slots, stops))
 
-    def part(self, sequences: Sequence[Sequence[int]]) -> str:
-        return MODEL
+    def release(self, slot: int) -> None:
+        self._read_last_round()
+        self.engine.release(slot)
+        del self._cached[slot], self._fed[slot]
+
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        return [MODEL] * len(sequences)
 
     def propose(
         self,
+        slots: Sequence[int],
         sequences: Sequence[Sequence[int]],
-        num_tokens: int,
+        limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rule: StopRule | None = None,
+        stop_rules: dict[str, StopRule] | None = None,
     ) -> Draft:
-        logits = self._catch_up(sequences)
+        stop_rule = None if stop_rules is None else stop_rules.get(MODEL)
+        limits = np.asarray(limits, dtype=np.int64)
+        logits = self._catch_up(slots, sequences)
         tokens, dists, confidences = [], [], []
-        for i in range(num_tokens):
+        for i in range(int(limits.max())):
             token, probs = sampler.draw(logits)
             tokens.append(token)
             if probs is not None:  # None when every row is greedy: q is then one-hot on the draft
                 dists.append(probs)
+            drafting = limits > i
             if stop_rule is not None:
                 confidences.append(logits.float().softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
-                if stop_rule(confidences[-1]):  # a host sync
+                if stop_rule(confidences[-1], slots, drafting):  # a host sync
                     break  # the token is kept: its logits are paid for, and it may still be accepted
-            if i + 1 == num_tokens:
+            if i + 1 == limits.max():
                 break
-            logits = self.engine.forward(token.unsqueeze(1))[:, 0]
-        device = self.engine.device
-        token_ids = (
-            torch.stack(tokens, 1) if tokens else torch.zeros(len(sequences), 0, dtype=torch.int64, device=device)
-        )
-        self._cached = [len(s) for s in sequences]
+            logits = self.engine.step(slots, token.unsqueeze(1))[:, 0]
+        token_ids = torch.stack(tokens, 1)
+        self._cached.update((slot, len(s)) for slot, s in zip(slots, sequences))
         if self.cache_from is None:  # a self-draft takes the target's keys and values instead
-            self._fed = HostCopy(token_ids[:, :-1])  # the last draft is in no cache
+            self._last_round = (list(slots), HostCopy(token_ids[:, :-1]))  # the last draft is in no cache
+        num_drafts = torch.from_numpy(np.minimum(limits, len(tokens)))
         probs = torch.stack(dists, 1) if dists else None
-        return Draft(token_ids, probs, torch.stack(confidences, 1) if confidences else None)
+        return Draft(token_ids, num_drafts, probs, torch.stack(confidences, 1) if confidences else None)
 
-    def _catch_up(self, sequences: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Feed each row the committed tokens its cache lacks; the logits after its last token [B, V]."""
+    def _read_last_round(self) -> None:
+        """Record which drafts the last round wrote into each row's cache (copied to the host during the round,
+        which the scheduler has synchronised since)."""
+        if self._last_round is not None:
+            slots, copy = self._last_round
+            for slot, drafts in zip(slots, copy.get().tolist()):
+                if slot in self._fed:
+                    self._fed[slot] = drafts
+            self._last_round = None
+
+    def _catch_up(self, slots: Sequence[int], sequences: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Feed each row the committed tokens its cache lacks; the logits after its last token [n, V]."""
+        self._read_last_round()
         lengths = [len(s) for s in sequences]
-        cached = self.engine.lengths.tolist()
+        in_cache = self.engine.lengths[list(slots)].tolist()
         if self.cache_from is not None:
             # A self-draft: from the token it last fed on, its own keys and values give way to the target's,
             # which hold all but each row's newest token.
-            self.engine.truncate(
-                torch.tensor([min(base - 1, in_cache) for base, in_cache in zip(self._cached, cached)])
-            )
+            bases = [min(self._cached[slot] - 1, cached) for slot, cached in zip(slots, in_cache)]
+            self.engine.truncate(slots, bases)
+            for slot, length in zip(slots, lengths):
+                self.engine.copy_from(self.cache_from, slot, length - 1)
             valid = [length - 1 for length in lengths]
-            self.engine.adopt_cache(self.cache_from, valid)
         else:
-            fed = self._fed.get().tolist()  # copied during the last round, which the decoder has synchronised since
             valid = [
-                min(_matching_prefix(s, base, drafts), length - 1, in_cache)
-                for s, base, drafts, length, in_cache in zip(sequences, self._cached, fed, lengths, cached)
+                min(_matching_prefix(s, self._cached[slot], self._fed[slot]), length - 1, cached)
+                for slot, s, length, cached in zip(slots, sequences, lengths, in_cache)
             ]
-        width = max(length - v for length, v in zip(lengths, valid))
-        # A row shorter than the width (possible only for a finished, frozen row) starts at 0, padded.
-        starts = [max(length - width, 0) for length in lengths]
-        block = [list(s[start:]) + [s[-1]] * (start + width - len(s)) for s, start in zip(sequences, starts)]
-        self.engine.truncate(torch.tensor(starts))
-        logits = self.engine.forward(torch.tensor(block))
-        self.engine.truncate(torch.tensor(lengths))
-        last = to_device(torch.tensor([length - 1 - start for length, start in zip(lengths, starts)]), logits.device)
-        return logits[torch.arange(len(sequences), device=logits.device), last]
+            self.engine.truncate(slots, valid)
+        missing = [length - v for length, v in zip(lengths, valid)]
+        block = pad_right([s[v:] for s, v in zip(sequences, valid)])
+        return self.engine.step(slots, torch.tensor(block), missing, [m - 1 for m in missing])
+
+
+def pad_right(rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Token rows of different lengths as one block, each padded with its own last token (padding is never
+    read: a step takes each row's own number of new tokens)."""
+    width = max(len(row) for row in rows)
+    return [list(row) + [row[-1]] * (width - len(row)) for row in rows]
 
 
 def _matching_prefix(sequence: Sequence[int], base: int, drafts: list[int]) -> int:
@@ -194,7 +256,8 @@ def _matching_prefix(sequence: Sequence[int], base: int, drafts: list[int]) -> i
 class PromptLookupDrafter:
     """Model-free drafting by n-gram match (as transformers' ``prompt_lookup_num_tokens`` and vLLM's
     ngram method): find the most recent earlier occurrence of the sequence's last n tokens (n from
-    ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it.
+    ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it. A row drafts as many tokens
+    as it finds, up to its limit (none where it finds no match).
 
     The defaults (matches of 1 to 4 tokens) come from replaying the default model's outputs on the bench
     suites (docs/MEASUREMENTS.md): with auto, drafting after a one-token match pays."""
@@ -206,40 +269,50 @@ class PromptLookupDrafter:
         self.device = torch.device(device)
         self.max_context: int | None = None
 
-    def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Prompt lookup keeps no state between rounds."""
+    def reserve(self, num_slots: int) -> None:
+        """Prompt lookup keeps no state."""
 
-    def part(self, sequences: Sequence[Sequence[int]]) -> str:
-        return LOOKUP
+    def occupied(self, slot: int) -> bool:
+        return False
+
+    def admit(self, slot: int) -> None:
+        """Prompt lookup keeps no state."""
+
+    def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
+        """Prompt lookup keeps no state."""
+
+    def release(self, slot: int) -> None:
+        """Prompt lookup keeps no state."""
+
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        return [LOOKUP] * len(sequences)
 
     def propose(
         self,
+        slots: Sequence[int],
         sequences: Sequence[Sequence[int]],
-        num_tokens: int,
+        limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rule: StopRule | None = None,
+        stop_rules: dict[str, StopRule] | None = None,
     ) -> Draft:
-        """Given a ``stop_rule``, the copied tokens report ``lookup_confidence`` and the round ends after the
-        first token the rule stops at (``sampler`` is not needed: the drafts are deterministic)."""
-        return self.draft_from(self.matches(sequences, num_tokens), sequences, stop_rule)
-
-    def matches(self, sequences: Sequence[Sequence[int]], num_tokens: int) -> list[tuple[int, np.ndarray]]:
-        """Each row's ``match``: (match length, looked-up tokens), (0, empty) where it finds none."""
-        return [self.match(np.asarray(s, dtype=np.int64), num_tokens) for s in sequences]
+        """Given a stop rule for LOOKUP, the copied tokens report ``lookup_confidence`` and the round ends
+        after the first token the rule stops at (``sampler`` is not needed: the drafts are deterministic)."""
+        matches = [self.match(np.asarray(s, dtype=np.int64), int(k)) for s, k in zip(sequences, limits)]
+        return self.draft_from(matches, slots, sequences, None if stop_rules is None else stop_rules.get(LOOKUP))
 
     def draft_from(
         self,
         matches: Sequence[tuple[int, np.ndarray]],
+        slots: Sequence[int],
         sequences: Sequence[Sequence[int]],
         stop_rule: StopRule | None = None,
     ) -> Draft:
-        """The batch's draft from each row's match; given a ``stop_rule``, cut where it stops and with the
-        tokens' confidence (0 for padding)."""
-        width = max(len(tokens) for _, tokens in matches)
-        # Rows with shorter matches are padded; any deterministic draft is lossless, padding only costs
-        # the verify positions the longest row needs anyway.
+        """The draft from each row's match; given a ``stop_rule``, cut where it stops, with the tokens'
+        confidence (0 for padding)."""
+        found = np.array([len(tokens) for _, tokens in matches], dtype=np.int64)
+        width = int(found.max(initial=0))
         rows = [
-            np.pad(tokens, (0, width - len(tokens)), mode="edge") if len(tokens) else np.full(width, s[-1])
+            np.pad(tokens, (0, width - len(tokens)), constant_values=s[-1])
             for (_, tokens), s in zip(matches, sequences)
         ]
         confidence = None
@@ -247,14 +320,12 @@ class PromptLookupDrafter:
             confidence = torch.zeros(len(matches), width)
             for row, (length, tokens) in enumerate(matches):
                 confidence[row, : len(tokens)] = torch.from_numpy(lookup_confidence(length, len(tokens)))
-            width = next((i + 1 for i in range(width) if stop_rule(confidence[:, i])), width)
+            width = next((i + 1 for i in range(width) if stop_rule(confidence[:, i], slots, found > i)), width)
             confidence = confidence[:, :width]
-        token_ids = (
-            torch.from_numpy(np.stack(rows)[:, :width]).to(self.device)
-            if width
-            else torch.zeros(len(sequences), 0, dtype=torch.int64, device=self.device)
-        )
-        return Draft(token_ids, None, confidence)
+        if width == 0:
+            return Draft.empty(len(sequences), self.device)
+        token_ids = torch.from_numpy(np.stack(rows)[:, :width]).to(self.device)
+        return Draft(token_ids, torch.from_numpy(np.minimum(found, width)), None, confidence)
 
     def lookup(self, sequence: np.ndarray, num_tokens: int) -> np.ndarray:
         """Up to ``num_tokens`` tokens that followed the latest earlier match of the sequence's suffix."""
@@ -275,16 +346,16 @@ class PromptLookupDrafter:
 
 
 class LookupFirstDrafter:
-    """Prompt lookup where it finds a match, a model draft elsewhere: each round, when the n-gram lookup
-    proposes tokens for every row, those are the round's drafts (at no model cost); otherwise the model
-    drafts for the whole batch. Text that copies its context (code, extraction, summaries) then drafts for
-    free, and free-form text still gets the model's drafts.
+    """Prompt lookup where it finds a match, a model draft elsewhere, row by row: a row whose text repeats
+    itself drafts for free by lookup, the others with the model, in the same round. Text that copies its
+    context (code, extraction, summaries) then drafts for free, and free-form text still gets the model's
+    drafts.
 
     Lookup drafts only after a match of at least ``LOOKUP_FIRST_MIN_NGRAM`` tokens: after a match of one
     token, prompt lookup is right less often than a model draft.
 
-    Lossless as each part is: which drafter runs depends only on the committed sequences. The model's cache
-    skips the lookup rounds; ``ModelDrafter`` feeds it the tokens committed meanwhile when it next drafts."""
+    Lossless as each part is: which part drafts a row depends only on its committed sequence. The model's cache
+    skips a row's lookup rounds; ``ModelDrafter`` feeds it the tokens committed meanwhile when it next drafts."""
 
     def __init__(self, model: ModelDrafter) -> None:
         self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, device=model.engine.device)
@@ -292,21 +363,72 @@ class LookupFirstDrafter:
         self.engine = model.engine
         self.max_context: int | None = model.max_context
 
-    def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        """Start the model's batch (prompt lookup keeps no state)."""
-        self.model.begin(prompt_ids, lengths)
+    def reserve(self, num_slots: int) -> None:
+        self.model.reserve(num_slots)
 
-    def part(self, sequences: Sequence[Sequence[int]]) -> str:
-        return LOOKUP if all(length for length, _ in self.lookup.matches(sequences, 1)) else MODEL
+    def occupied(self, slot: int) -> bool:
+        return self.model.occupied(slot)
+
+    def admit(self, slot: int) -> None:
+        self.model.admit(slot)
+
+    def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
+        self.model.prefill(slots, chunks)
+
+    def release(self, slot: int) -> None:
+        self.model.release(slot)
+
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
+        found = [self.lookup.match(np.asarray(s, dtype=np.int64), 1)[0] for s in sequences]
+        return [LOOKUP if length else MODEL for length in found]
 
     def propose(
         self,
+        slots: Sequence[int],
         sequences: Sequence[Sequence[int]],
-        num_tokens: int,
+        limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rule: StopRule | None = None,
+        stop_rules: dict[str, StopRule] | None = None,
     ) -> Draft:
-        matches = self.lookup.matches(sequences, num_tokens)
-        if all(length for length, _ in matches):
-            return self.lookup.draft_from(matches, sequences, stop_rule)
-        return self.model.propose(sequences, num_tokens, sampler, stop_rule)
+        by_lookup = [part == LOOKUP for part in self.parts(sequences)]
+        drafts: list[tuple[list[int], Draft]] = []
+        for part, drafter in ((LOOKUP, self.lookup), (MODEL, self.model)):
+            rows = [i for i, lookup in enumerate(by_lookup) if lookup == (part == LOOKUP)]
+            if rows:
+                picked = (
+                    [slots[i] for i in rows],
+                    [sequences[i] for i in rows],
+                    [limits[i] for i in rows],
+                    sampler.subset(rows),
+                )
+                drafts.append((rows, drafter.propose(*picked, stop_rules)))
+        return merge_drafts(drafts, len(sequences))
+
+
+def merge_drafts(parts: Sequence[tuple[list[int], Draft]], rows: int) -> Draft:
+    """One draft for ``rows`` rows from drafts of some of them (each with its row indices). Where one part
+    has distributions and another none, the other's drafts get one-hot ones (what they were drawn from)."""
+    if len(parts) == 1 and parts[0][0] == list(range(rows)):
+        return parts[0][1]
+    width = max(draft.num_tokens for _, draft in parts)
+    device = parts[0][1].token_ids.device
+    token_ids = torch.zeros(rows, width, dtype=torch.int64, device=device)
+    num_drafts = torch.zeros(rows, dtype=torch.int64)
+    vocab = next((draft.probs.shape[-1] for _, draft in parts if draft.probs is not None), None)
+    with_confidence = any(draft.confidence is not None for _, draft in parts)
+    probs = torch.zeros(rows, width, vocab, device=device) if vocab is not None and width else None
+    confidence = torch.zeros(rows, width) if with_confidence else None
+    for indices, draft in parts:
+        at, k = to_device(torch.tensor(indices), device), draft.num_tokens
+        token_ids[at, :k] = draft.token_ids
+        num_drafts[indices] = draft.num_drafts
+        if probs is not None and k:
+            probs[at, :k] = draft.probs if draft.probs is not None else one_hot(draft.token_ids, vocab)
+        if confidence is not None and draft.confidence is not None:
+            confidence[indices, : draft.confidence.shape[1]] = draft.confidence
+    return Draft(token_ids, num_drafts, probs, confidence)
+
+
+def one_hot(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The distributions [..., V] that put all mass on ``token_ids``."""
+    return torch.zeros(*token_ids.shape, vocab_size, device=token_ids.device).scatter_(-1, token_ids.unsqueeze(-1), 1.0)

@@ -25,38 +25,48 @@ def rejection_sample(
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
     generator: Generators = None,
+    num_drafts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts and sample the token that follows it.
 
     draft_token_ids [B, g] int64; draft_probs [B, g, V] (the distributions the drafts were sampled from)
     or None for deterministic drafts (q is one-hot on the drafted token); target_probs [B, g+1, V],
     already warped by the request's sampling parameters. ``generator`` is one generator for the batch or
-    one per row. Returns output_ids [B, g+1] (accepted drafts, then the replacement or bonus token, then
-    -1 padding) and num_accepted [B].
+    one per row. ``num_drafts`` [B]: row r drafted only its first ``num_drafts[r]`` tokens (default: all g);
+    the rest is padding, never accepted, and the bonus after a fully accepted row comes from its own last
+    position. Returns output_ids [B, g+1] (accepted drafts, then the replacement or bonus token, then -1
+    padding) and num_accepted [B].
     """
     batch, gamma = draft_token_ids.shape
     u = _uniform(generator, batch, gamma + 1, target_probs.device)
     p = target_probs[:, :gamma].gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
-    # u < p/q without dividing: q == 0 (impossible when drafts are sampled from q) cannot produce NaN.
-    accepted = u[:, :gamma] * q < p
-    num_accepted = accepted.cumprod(-1).sum(-1)
-    final = sample_from(recovery_distribution(num_accepted, draft_token_ids, draft_probs, target_probs), u[:, gamma])
     positions = torch.arange(gamma + 1, device=target_probs.device)
+    drafted = _drafted(num_drafts, batch, gamma, target_probs.device)
+    # u < p/q without dividing: q == 0 (impossible when drafts are sampled from q) cannot produce NaN.
+    accepted = (u[:, :gamma] * q < p) & (positions[:gamma] < drafted.unsqueeze(1))
+    num_accepted = accepted.cumprod(-1).sum(-1)
+    residual = recovery_distribution(num_accepted, draft_token_ids, draft_probs, target_probs, drafted)
+    final = sample_from(residual, u[:, gamma])
     drafts = torch.cat([draft_token_ids, draft_token_ids.new_full((batch, 1), -1)], dim=1)
     output = torch.where(positions < num_accepted.unsqueeze(1), drafts, -1)
     output.scatter_(1, num_accepted.unsqueeze(1), final.unsqueeze(1))
     return output, num_accepted
 
 
-def greedy_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_verify(
+    draft_token_ids: torch.Tensor, target_logits: torch.Tensor, num_drafts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``rejection_sample`` for greedy requests, from the target's logits [B, g+1, V]: the drafts [B, g] that
-    match the target's argmax, up to the first that does not, then the argmax there (the correction) or
-    after the last draft (the bonus). Returns output_ids [B, g+1] (-1 padded) and num_accepted [B]."""
+    match the target's argmax, up to the first that does not (or the row's ``num_drafts``), then the argmax
+    there (the correction) or after the last draft (the bonus). Returns output_ids [B, g+1] (-1 padded) and
+    num_accepted [B]."""
     target_ids = argmax(target_logits).to(draft_token_ids.device)
-    gamma = draft_token_ids.shape[1]
-    num_accepted = (draft_token_ids == target_ids[:, :gamma]).cumprod(-1).sum(-1)
+    batch, gamma = draft_token_ids.shape
     positions = torch.arange(gamma + 1, device=target_ids.device)
+    drafted = _drafted(num_drafts, batch, gamma, target_ids.device)
+    matches = (draft_token_ids == target_ids[:, :gamma]) & (positions[:gamma] < drafted.unsqueeze(1))
+    num_accepted = matches.cumprod(-1).sum(-1)
     return torch.where(positions <= num_accepted.unsqueeze(1), target_ids, -1), num_accepted
 
 
@@ -65,9 +75,11 @@ def recovery_distribution(
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
+    num_drafts: torch.Tensor,
 ) -> torch.Tensor:
     """Unnormalised distribution [B, V] of the token after the accepted prefix: max(0, p - q) at the first
-    rejected position, or the target's own distribution after a fully accepted block (the bonus)."""
+    rejected position, or the target's own distribution after a row's ``num_drafts`` were all accepted (the
+    bonus)."""
     batch, gamma = draft_token_ids.shape
     rows = torch.arange(batch, device=target_probs.device)
     p = target_probs[rows, num_accepted]
@@ -78,11 +90,18 @@ def recovery_distribution(
         q = torch.zeros_like(p).scatter_(-1, draft_token_ids[rows, at].unsqueeze(-1), 1.0)
     else:
         q = draft_probs[rows, at]
-    q = q * (num_accepted < gamma).unsqueeze(-1)
+    q = q * (num_accepted < num_drafts).unsqueeze(-1)
     residual = (p - q).clamp_(min=0)
     # p == q leaves no residual mass; rejection then only happens through rounding, and p is the limit.
     empty = residual.sum(-1, keepdim=True) <= 0
     return torch.where(empty, p, residual)
+
+
+def _drafted(num_drafts: torch.Tensor | None, batch: int, gamma: int, device: torch.device) -> torch.Tensor:
+    """Drafts per row [B]: ``num_drafts``, or all ``gamma``."""
+    if num_drafts is None:
+        return torch.full((batch,), gamma, dtype=torch.int64, device=device)
+    return num_drafts.to(device=device, dtype=torch.int64)
 
 
 def _uniform(generator: Generators, batch: int, num: int, device: torch.device) -> torch.Tensor:

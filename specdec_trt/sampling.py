@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec_trt.runtime.transfer import to_device
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -57,6 +59,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def new_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
+    """A generator seeded with ``params.seed`` on ``device``, or None without a seed."""
+    return None if params.seed is None else torch.Generator(torch.device(device)).manual_seed(params.seed)
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -91,12 +98,17 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 class BatchSampler:
     """Per-row sampling parameters and generators for one batch of requests."""
 
-    def __init__(self, params: Sequence[SamplingParams], device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        params: Sequence[SamplingParams],
+        device: torch.device | str = "cpu",
+        generators: Sequence[torch.Generator | None] | None = None,
+    ) -> None:
         self.device = torch.device(device)
         self.params = list(params)
 
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name) for p in self.params], dtype=dtype, device=self.device)
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor:  # copied as a kernel is queued: no host sync
+            return to_device(torch.tensor([getattr(p, name) for p in self.params], dtype=dtype), self.device)
 
         self.temperature = column("temperature", torch.float32)
         self.top_k = column("top_k", torch.int64)
@@ -107,12 +119,17 @@ class BatchSampler:
         self._any_greedy = any(p.greedy for p in self.params)
         self._needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in self.params if not p.greedy)
         self._needs_min_p = any(p.min_p > 0 for p in self.params if not p.greedy)
-        self.generators = [
-            None if p.seed is None else torch.Generator(self.device).manual_seed(p.seed) for p in self.params
-        ]
+        # Each request's own generator (kept by the request across rounds), or fresh ones from the seeds.
+        self.generators = (
+            list(generators) if generators is not None else [new_generator(p, self.device) for p in params]
+        )
 
     def __len__(self) -> int:
         return len(self.params)
+
+    def subset(self, rows: Sequence[int]) -> BatchSampler:
+        """The sampler of some of the rows (their own parameters and generators), in that order."""
+        return BatchSampler([self.params[r] for r in rows], self.device, [self.generators[r] for r in rows])
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distributions [B, T, V] from float32 logits [B, T, V]."""

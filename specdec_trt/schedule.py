@@ -64,141 +64,216 @@ class DecayedLine:
         return intercept, slope
 
 
+class AcceptanceEvidence:
+    """One request's decayed acceptance evidence for one kind of draft, per draft position: how often a round
+    reached draft i (the drafts before it were accepted) and accepted it. It moves with its request from
+    round to round, whatever else shares the batch."""
+
+    def __init__(self, max_draft: int) -> None:
+        self.reached = np.zeros(max_draft)
+        self.passed = np.zeros(max_draft)
+
+
+class CostLines:
+    """Seconds of a round's drafting and verifying against its draft length, one pair of fitted lines per
+    number of rows (a round over more rows costs more, and its cost grows faster with the draft length once
+    the rows make the step compute-bound). A row count without observations of its own takes the line of
+    the nearest counts that have some, interpolated."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.drafting: dict[int, DecayedLine] = {}  # seconds against tokens drafted
+        self.verifying: dict[int, DecayedLine] = {}  # seconds against drafts verified
+
+    def add_draft(self, rows: int, num_drafted: int, seconds: float) -> None:
+        """Drafting ``num_drafted`` tokens for ``rows`` rows took ``seconds``."""
+        self.drafting.setdefault(rows, DecayedLine(self.decay, through_origin=True)).add(num_drafted, seconds)
+
+    def add_verify(self, rows: int, num_drafted: int, seconds: float) -> None:
+        """Verifying up to ``num_drafted`` drafts for each of ``rows`` rows took ``seconds``."""
+        self.verifying.setdefault(rows, DecayedLine(self.decay, through_origin=False)).add(num_drafted, seconds)
+
+    def draft_cost(self, rows: int) -> tuple[float, float]:
+        """(d, c): drafting seconds per drafting round and per drafted token, at ``rows`` rows."""
+        return _at(self.drafting, rows)
+
+    def verify_cost(self, rows: int) -> tuple[float, float]:
+        """(a, b) of the verify time a + b * g at ``rows`` rows."""
+        return _at(self.verifying, rows)
+
+
+def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
+    """The coefficients of the line at ``rows``, or interpolated (extrapolated past the ends, never below 0)
+    between the nearest row counts observed; (0, 0) before any observation."""
+    if rows in lines:
+        return lines[rows].coefficients()
+    if not lines:
+        return 0.0, 0.0
+    known = sorted(lines)
+    below = [n for n in known if n < rows]
+    above = [n for n in known if n > rows]
+    pair = (below[-1], above[0]) if below and above else tuple(known[-2:] if below else known[:2])
+    if len(pair) == 1 or pair[0] == pair[1]:
+        return lines[pair[0]].coefficients()
+    (n0, n1), (c0, c1) = pair, (np.array(lines[pair[0]].coefficients()), np.array(lines[pair[1]].coefficients()))
+    value = c0 + (c1 - c0) * (rows - n0) / (n1 - n0)
+    return float(max(value[0], 0.0)), float(max(value[1], 0.0))
+
+
 class DraftLengthController:
-    """Chooses the draft length of each round of one batch from its observed acceptance and costs."""
+    """Chooses the draft length of each round of one kind of draft, for the rows drafting with it, from each
+    row's own acceptance evidence and the costs measured at that number of rows."""
 
     def __init__(
         self,
         max_draft: int,
-        batch_size: int,
         first: int = FIRST_DRAFT_LENGTH,
         decay: float = ACCEPTANCE_DECAY,
         time_decay: float = TIME_DECAY,
         probe_every: int = PROBE_EVERY,
     ) -> None:
-        if max_draft < 1 or batch_size < 1 or probe_every < 1:
-            raise ValueError("max_draft, batch_size and probe_every must be >= 1")
+        if max_draft < 1 or probe_every < 1:
+            raise ValueError("max_draft and probe_every must be >= 1")
         self.max_draft, self.first, self.probe_every, self.decay = max_draft, first, probe_every, decay
-        self.reached = np.zeros((batch_size, max_draft))  # decayed evidence per row and draft position
-        self.passed = np.zeros((batch_size, max_draft))
         self.judged = np.zeros(len(CONFIDENCE_BINS) + 1)  # decayed, over all rows: judged drafts per bin
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
-        self.drafting = DecayedLine(time_decay, through_origin=True)  # seconds against tokens drafted
-        self.verifying = DecayedLine(time_decay, through_origin=False)  # seconds against drafts verified
+        self.costs = CostLines(time_decay)
         self.rounds = 0
         self.plain_streak = 0
 
-    def acceptance(self) -> np.ndarray:
-        """Per-row pooled acceptance estimates p_r in (0, 1)."""
-        return (PRIOR_ACCEPTED + self.passed.sum(1)) / (PRIOR_TRIALS + self.reached.sum(1))
+    def evidence(self) -> AcceptanceEvidence:
+        """Fresh evidence for a new row."""
+        return AcceptanceEvidence(self.max_draft)
 
-    def position_acceptance(self) -> np.ndarray:
-        """[B, max_draft] p_ri: acceptance of draft i given the drafts before it were accepted."""
-        pooled = self.acceptance()[:, None]
-        return (POSITION_SHRINK * pooled + self.passed) / (POSITION_SHRINK + self.reached)
+    def acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
+        """Per-row pooled acceptance estimates p_r in (0, 1)."""
+        passed = np.array([row.passed.sum() for row in rows])
+        reached = np.array([row.reached.sum() for row in rows])
+        return (PRIOR_ACCEPTED + passed) / (PRIOR_TRIALS + reached)
+
+    def position_acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
+        """[rows, max_draft] p_ri: acceptance of draft i given the drafts before it were accepted."""
+        pooled = self.acceptance(rows)[:, None]
+        passed = np.stack([row.passed for row in rows])
+        reached = np.stack([row.reached for row in rows])
+        return (POSITION_SHRINK * pooled + passed) / (POSITION_SHRINK + reached)
 
     def calibrated_acceptance(self) -> np.ndarray:
         """Acceptance of a draft token per confidence bin (``CONFIDENCE_BINS``), shrunk to the bin's middle."""
         return (CALIBRATION_SHRINK * CONFIDENCE_PRIOR + self.judged_accepted) / (CALIBRATION_SHRINK + self.judged)
 
-    def draft_cost(self) -> tuple[float, float]:
-        """(d, c): drafting seconds per drafting round and per drafted token."""
-        return self.drafting.coefficients()
-
-    def verify_cost(self) -> tuple[float, float]:
-        """(a, b) of the verify time a + b * g."""
-        return self.verifying.coefficients()
-
-    def expected_tokens(self, active: Sequence[bool]) -> np.ndarray:
-        """tokens(g) for g = 0 .. max_draft: the expected tokens of a round, summed over active rows."""
-        p = self.position_acceptance()[np.asarray(active, dtype=bool)]
+    def expected_tokens(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
+        """tokens(g) for g = 0 .. max_draft: the expected tokens of a round, summed over the rows."""
+        p = self.position_acceptance(rows)
         reach = np.cumprod(np.concatenate([np.ones((len(p), 1)), p], axis=1), axis=1)
         return np.cumsum(reach, axis=1).sum(0)
 
-    def round_time(self) -> np.ndarray:
-        """time(g) for g = 0 .. max_draft."""
-        (d, c), (a, b) = self.draft_cost(), self.verify_cost()
+    def round_time(self, rows: int, pass_rows: int | None = None) -> np.ndarray:
+        """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in a pass of ``pass_rows``."""
+        (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(pass_rows or rows)
         g = np.arange(self.max_draft + 1)
         return (g > 0) * d + g * (c + b) + a
 
-    def rates(self, active: Sequence[bool]) -> np.ndarray:
+    def rates(self, rows: Sequence[AcceptanceEvidence], pass_rows: int | None = None) -> np.ndarray:
         """tokens(g) / time(g) for g = 0 .. max_draft: the expected tokens per second."""
-        return self.expected_tokens(active) / np.maximum(self.round_time(), 1e-12)
+        return self.expected_tokens(rows) / np.maximum(self.round_time(len(rows), pass_rows), 1e-12)
 
-    def choose(self, active: Sequence[bool], remaining: int) -> int:
+    def choose(self, rows: Sequence[AcceptanceEvidence], remaining: int, pass_rows: int | None = None) -> int:
         """The draft length of the next round, at most: a draft that reports its confidence is asked for up
-        to the limit whenever drafting pays, and ``stop_rule`` ends the round. ``remaining``: drafts that
-        can still be used (tokens still needed by the longest active row, less the target's own token)."""
+        to the limit whenever drafting pays, and ``stop_rule`` ends the round. ``remaining``: drafts that can
+        still be used (tokens still needed by the longest row, less the target's own token). ``pass_rows``:
+        the rows of the verify pass, when other rows share it (default: these)."""
         limit = min(self.max_draft, remaining)
-        if limit <= 0:
+        if limit <= 0 or not rows:
             return 0
         if self.rounds == 0:
             gamma = min(self.first, limit)
         else:
             low = 1 if self.plain_streak >= self.probe_every - 1 else 0
-            gamma = low + int(np.argmax(self.rates(active)[low : limit + 1]))
+            gamma = low + int(np.argmax(self.rates(rows, pass_rows)[low : limit + 1]))
             if gamma and self.reports_confidence:
                 gamma = limit
         self.plain_streak = self.plain_streak + 1 if gamma == 0 else 0
         return gamma
 
-    def stop_rule(self, active: Sequence[bool]) -> CostAwareStop:
-        """The rule that ends the next round once another draft token is worth less than it costs (never
-        before a round was timed)."""
-        _, c = self.draft_cost()
-        _, b = self.verify_cost()
-        threshold = float(self.rates(active).max()) * (c + b) if self.rounds else 0.0
-        return CostAwareStop(self.calibrated_acceptance(), self.acceptance(), np.asarray(active, bool), threshold)
+    def stop_rule(
+        self,
+        slots: Sequence[int],
+        rows: Sequence[AcceptanceEvidence],
+        pass_rows: int | None = None,
+        exempt: Sequence[int] = (),
+    ) -> CostAwareStop:
+        """The rule that ends the next round of the rows in ``slots`` (with evidence ``rows``) once another
+        draft token is worth less than it costs (never before a round was timed); a row of an ``exempt``
+        slot (one that drafts a fixed number) keeps the round going while it drafts."""
+        _, c = self.costs.draft_cost(len(rows))
+        _, b = self.costs.verify_cost(pass_rows or len(rows))
+        threshold = float(self.rates(rows, pass_rows).max()) * (c + b) if self.rounds else 0.0
+        pooled = dict(zip(slots, self.acceptance(rows)))
+        return CostAwareStop(self.calibrated_acceptance(), pooled, threshold, exempt)
 
     def observe(
         self,
-        num_drafted: int,
+        num_drafted: Sequence[int] | int,
         num_accepted: Sequence[int],
-        active: Sequence[bool],
+        rows: Sequence[AcceptanceEvidence],
         draft_s: float,
         verify_s: float,
         confidence: np.ndarray | None = None,
+        pass_rows: int | None = None,
     ) -> None:
-        """Record a round: it drafted ``num_drafted`` tokens for every row (maybe fewer than chosen: an early
-        stop), row r accepted ``num_accepted[r]``; only ``active`` rows count. Times in seconds.
-        ``confidence`` [B, num_drafted]: the draft's probability of each token it drafted, if known."""
+        """Record a round: row r drafted ``num_drafted[r]`` tokens (one number: all rows alike; maybe fewer
+        than chosen: an early stop) and accepted ``num_accepted[r]``. Times in seconds, of the round's
+        drafting and of its verify pass over ``pass_rows`` rows (default: these). ``confidence`` [rows, k]:
+        the draft's probability of each token it drafted, if known."""
         self.rounds += 1
-        rows = np.asarray(active, dtype=bool)
-        accepted = np.asarray(num_accepted, dtype=float)[rows]
-        fade = self.decay ** max(num_drafted, 1)  # a plain round fades the evidence as one draft would
+        drafted = np.broadcast_to(np.asarray(num_drafted, dtype=np.int64), (len(rows),))
+        accepted = np.asarray(num_accepted, dtype=float)
+        widest = int(drafted.max(initial=0))
         position = np.arange(self.max_draft)[None]
-        reached = (position <= accepted[:, None]) & (position < num_drafted)  # drafts the verifier judged
-        self.reached[rows] = fade * self.reached[rows] + reached
-        self.passed[rows] = fade * self.passed[rows] + (position < accepted[:, None])
-        if num_drafted:
-            self.drafting.add(num_drafted, draft_s)
+        reached = (position <= accepted[:, None]) & (position < drafted[:, None])  # drafts the verifier judged
+        passed = position < accepted[:, None]
+        for row, r_reached, r_passed, count in zip(rows, reached, passed, drafted):
+            fade = self.decay ** max(int(count), 1)  # a plain round fades the evidence as one draft would
+            row.reached = fade * row.reached + r_reached
+            row.passed = fade * row.passed + r_passed
+        if widest:
+            self.costs.add_draft(len(rows), widest, draft_s)
+        self.costs.add_verify(pass_rows or len(rows), widest, verify_s)
+        fade = self.decay ** max(widest, 1)
         self.judged *= fade
         self.judged_accepted *= fade
-        if confidence is not None and num_drafted:
+        if confidence is not None and widest:
             self.reports_confidence = True
-            bins = confidence_bin(np.asarray(confidence)[rows])
-            judged = reached[:, :num_drafted]
-            passed = judged & (position[:, :num_drafted] < accepted[:, None])
+            bins = confidence_bin(np.asarray(confidence)[:, :widest])
+            judged = reached[:, :widest]
             np.add.at(self.judged, bins[judged], 1.0)
-            np.add.at(self.judged_accepted, bins[passed], 1.0)
-        self.verifying.add(num_drafted, verify_s)
+            np.add.at(self.judged_accepted, bins[judged & passed[:, :widest]], 1.0)
 
 
 class CostAwareStop:
     """Ends a drafting round once one more draft token is expected to add fewer tokens than it costs.
 
-    Called after each drafted token with the draft's probability of it per row [B]: S_r (the chance that
-    row r's drafts so far are all accepted) is multiplied by the calibrated acceptance of that confidence;
-    the round stops when sum over active rows of S_r p_r (the expected tokens of one more draft) is below
-    ``threshold`` (rate * (c + b): what that draft costs, in tokens at the predicted rate)."""
+    Called after each drafted token with the draft's probability of it per row [n] and which rows are still
+    drafting: S_r (the chance that row r's drafts so far are all accepted) is multiplied by the calibrated
+    acceptance of that confidence; the round stops when sum over the rows still drafting of S_r p_r (the
+    expected tokens of one more draft) is below ``threshold`` (rate * (c + b): what that draft costs, in
+    tokens at the predicted rate)."""
 
-    def __init__(self, acceptance_by_bin: np.ndarray, pooled: np.ndarray, active: np.ndarray, threshold: float):
-        self.acceptance_by_bin, self.threshold = acceptance_by_bin, threshold
-        self.gain = np.where(active, pooled, 0.0)  # S_r p_r, with S_r = 1 before the first draft
+    def __init__(
+        self, acceptance_by_bin: np.ndarray, pooled: dict[int, float], threshold: float, exempt: Sequence[int] = ()
+    ) -> None:
+        self.acceptance_by_bin, self.pooled, self.threshold = acceptance_by_bin, pooled, threshold
+        self.exempt = set(exempt)
+        self.gain: np.ndarray | None = None  # per row, S_r p_r, with S_r = 1 before the first draft
 
-    def __call__(self, confidence: torch.Tensor) -> bool:
+    def __call__(self, confidence: torch.Tensor, slots: Sequence[int], drafting: np.ndarray) -> bool:
         """Whether the round ends after the token just drafted (one host sync)."""
+        if self.gain is None:
+            self.gain = np.array([self.pooled.get(slot, 0.0) for slot in slots])
         bins = confidence_bin(confidence.float().cpu().numpy())
-        self.gain = self.gain * self.acceptance_by_bin[bins]
+        self.gain = np.where(drafting, self.gain * self.acceptance_by_bin[bins], 0.0)
+        if any(slot in self.exempt for slot, still in zip(slots, drafting) if still):
+            return False
         return float(self.gain.sum()) < self.threshold

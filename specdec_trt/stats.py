@@ -12,9 +12,10 @@ class GenerationStats:
 
     A *round* is one verify pass of the target. ``accepted_per_position[i]`` counts rounds whose draft at
     position i was accepted, ``drafted_per_position[i]`` rounds that drafted a token at position i.
-    Times are wall-clock seconds of the whole batch the request ran in: ``prefill_s`` is the target's
-    prefill up to the first token (time to first token), ``draft_prefill_s`` the draft's own prefill, and
-    ``draft_s`` / ``verify_s`` the rounds' drafting and verify (plus acceptance) time.
+    Times are wall-clock seconds of this request's own life: ``queue_s`` from submission to a free slot,
+    ``prefill_s`` from there to its first token (so ``queue_s + prefill_s`` is its time to first token),
+    ``draft_prefill_s`` the draft's share of its prefill, ``draft_s`` / ``verify_s`` the drafting and verify
+    (plus acceptance) time of the rounds it took part in, and ``total_s`` from submission to its end.
     """
 
     prompt_tokens: int = 0
@@ -24,6 +25,7 @@ class GenerationStats:
     accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    queue_s: float = 0.0
     prefill_s: float = 0.0
     draft_prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -64,8 +66,12 @@ class GenerationStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
 
     @property
+    def time_to_first_token_s(self) -> float:
+        return self.queue_s + self.prefill_s
+
+    @property
     def tokens_per_s(self) -> float:
-        """Generated tokens per second of wall time, prefill included."""
+        """Generated tokens per second of wall time, queueing and prefill included."""
         return self.generated_tokens / self.total_s if self.total_s else 0.0
 
     @property
@@ -83,6 +89,7 @@ class GenerationStats:
             "mean_accepted_tokens",
             "drafts_per_round",
             "per_position_acceptance",
+            "time_to_first_token_s",
             "tokens_per_s",
             "draft_ms_per_round",
             "verify_ms_per_round",

@@ -393,6 +393,7 @@ def test_int4_quantized_pruned_draft(checkpoints: Checkpoints, tmp_path: Path) -
     outside = torch.ones_like(logits, dtype=torch.bool)
     outside[vocab] = False
     assert bool(torch.isneginf(logits[outside]).all()) and bool(torch.isfinite(logits[~outside]).all())
+    decoder.drafter.engine.release(0)  # the decoder's scheduler admits its requests into the engine's slots
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     plain = decoder.generate("abcabc hello", params, num_draft_tokens=0)
     for gamma in (3, "auto"):

@@ -5,17 +5,17 @@ and with the draft length chosen per round ("auto"), plain rounds included."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 
 import pytest
 from conftest import FAMILIES
 
-import specdec_trt.decoder
+import specdec_trt.scheduler
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build_engines.checkpoint import load_checkpoint
 from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter, StopRule, confidence_below
 from specdec_trt.runtime.torch_engine import TorchEngine
+from specdec_trt.schedule import DraftLengthController
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
 MAX_DRAFT = 8
@@ -108,11 +108,11 @@ def test_lookup_first_alternates_lookup_and_model_rounds(make_checkpoint) -> Non
     drafter = decoder.drafter
     assert isinstance(drafter, LookupFirstDrafter)
     calls = {"lookup": 0, "model": 0}
-    widths: list[int] = []
-    lookup_draft, model_propose, forward = drafter.lookup.draft_from, drafter.model.propose, drafter.engine.forward
+    lookup_draft = drafter.lookup.draft_from
     drafter.lookup.draft_from = lambda *a: (calls.__setitem__("lookup", calls["lookup"] + 1), lookup_draft(*a))[1]
+    widths = spy_on_draft_steps(drafter.model, drafter.engine)
+    model_propose = drafter.model.propose
     drafter.model.propose = lambda *a: (calls.__setitem__("model", calls["model"] + 1), model_propose(*a))[1]
-    drafter.engine.forward = lambda ids: (widths.append(ids.shape[1]), forward(ids))[1]
     params = SamplingParams(max_new_tokens=60, ignore_eos=True)
     prompt = PROMPTS[3]
     assert (
@@ -120,39 +120,63 @@ def test_lookup_first_alternates_lookup_and_model_rounds(make_checkpoint) -> Non
         == decoder.generate(prompt, params, num_draft_tokens=0).token_ids
     )
     assert calls["lookup"] > 0 and calls["model"] > 0, calls
-    assert max(widths) > 2, widths  # a catch-up over the tokens of skipped lookup rounds
+    assert max(widths) > 2, widths  # a catch-up over the tokens of skipped lookup rounds, in one step
+
+
+def spy_on_draft_steps(drafter, engine) -> list[int]:
+    """From now on, the most new tokens any row gets in each step ``engine`` runs while ``drafter`` drafts
+    (its catch-up, then one token a step; its prefill is not drafting)."""
+    widths: list[int] = []
+    drafting: list[bool] = []
+    step, propose = engine.step, drafter.propose
+
+    def spy_step(slots, ids, num_new=None, logits_at=None):
+        if drafting:
+            widths.append(ids.shape[1] if num_new is None else max(num_new))
+        return step(slots, ids, num_new, logits_at)
+
+    def spy_propose(*args):
+        drafting.append(True)
+        try:
+            return propose(*args)
+        finally:
+            drafting.pop()
+
+    engine.step, drafter.propose = spy_step, spy_propose
+    return widths
 
 
 SCRIPT = (3, 0, 0, 0, 2, 0, 5, 1, 0, 0, 4, 8, 0, 0, 0, 1)  # runs of plain rounds the draft never sees
 
 
-class ScriptedSchedule:
+class ScriptedSchedule(DraftLengthController):
     """Stands in for the "auto" controller: a fixed cycle of draft lengths with runs of plain rounds, so
     the draft's catch-up on rounds it did not run is exercised deterministically."""
 
-    def __init__(self, max_draft: int, batch_size: int) -> None:
-        self.max_draft, self.round = max_draft, 0
+    def __init__(self, max_draft: int) -> None:
+        super().__init__(max_draft)
+        self.round = 0
 
-    def choose(self, active: Sequence[bool], remaining: int) -> int:
+    def choose(self, rows, remaining: int, pass_rows: int | None = None) -> int:
         self.round += 1
         return min(SCRIPT[(self.round - 1) % len(SCRIPT)], self.max_draft, remaining)
 
-    def observe(self, *args) -> None:
+    def observe(self, *args, **kwargs) -> None:
         pass
 
-    def stop_rule(self, active: Sequence[bool]) -> StopRule:
-        return confidence_below(0.3)  # cuts rounds after tokens the draft is unconfident about
+    def stop_rule(self, slots, rows, pass_rows=None, exempt=()) -> StopRule:
+        return confidence_below(0.3, exempt)  # cuts rounds after tokens the draft is unconfident about
 
 
 @pytest.fixture
 def scripted_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(specdec_trt.decoder, "DraftLengthController", ScriptedSchedule)
+    monkeypatch.setattr(specdec_trt.scheduler, "DraftLengthController", ScriptedSchedule)
 
 
 def assert_scripted_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[str], params: SamplingParams) -> None:
     """Under the scripted schedule: the target-only greedy output, batched, alone, and in a batch whose first
-    row stops after its first token (its frozen sequence is then shorter than the tokens the other rows'
-    draft cache lacks after a run of plain rounds, so it is fed padded)."""
+    row stops after its first token and leaves; the others' draft caches catch up, each row with its own
+    number of tokens, after the script's runs of plain rounds."""
     baseline = decoder.generate_batch(prompts, params, num_draft_tokens=0)
     batched = decoder.generate_batch(prompts, params, num_draft_tokens=AUTO)
     assert [o.token_ids for o in batched] == [o.token_ids for o in baseline]
@@ -161,21 +185,18 @@ def assert_scripted_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[s
     assert single.token_ids == baseline[0].token_ids
     short = [dataclasses.replace(params, max_new_tokens=1)] + [params] * len(prompts)
     engine = getattr(decoder.drafter, "engine", None)
-    widths: list[int] = []
-    if engine is not None:
-        forward = engine.forward
-        engine.forward = lambda ids: (widths.append(ids.shape[1]), forward(ids))[1]
+    widths = [] if engine is None else spy_on_draft_steps(decoder.drafter, engine)
     try:
         mixed = decoder.generate_batch(["a"] + prompts, short, num_draft_tokens=AUTO)
     finally:
         if engine is not None:
-            del engine.forward
+            del engine.step, decoder.drafter.propose
     assert len(mixed[0].token_ids) == 1
     assert [o.token_ids for o in mixed[1:]] == [o.token_ids for o in baseline]
     if getattr(decoder.drafter, "cache_from", None) is not None:
         assert set(widths) == {1}, widths  # a self-draft copies the target's cache and feeds the newest token
     elif engine is not None:
-        assert max(widths) > len(decoder.tokenize("a")) + 1, widths  # the padded catch-up ran
+        assert max(widths) > 2, widths  # a row caught up with several tokens committed in plain rounds
 
 
 @pytest.mark.parametrize("kind", DRAFTS)

@@ -30,11 +30,11 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-import specdec_trt.decoder
 import specdec_trt.rejection
+import specdec_trt.scheduler
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength
-from specdec_trt.drafting import Draft, ModelDrafter, PromptLookupDrafter, StopRule
+from specdec_trt.drafting import Draft, ModelDrafter, PromptLookupDrafter
 from specdec_trt.loading import load_engines
 from specdec_trt.sampling import BatchSampler
 
@@ -130,8 +130,8 @@ class UnwarpedQDrafter(ModelDrafter):
     """Negative control (trap 2): samples drafts from the warped distribution but reports the unwarped
     softmax as q, so the sampler divides by a distribution that was never sampled from."""
 
-    def propose(self, sequences, num_tokens: int, sampler: BatchSampler, stop_rule: StopRule | None = None) -> Draft:
-        return super().propose(sequences, num_tokens, _ReportsUnwarped(sampler), stop_rule)
+    def propose(self, slots, sequences, limits, sampler: BatchSampler, stop_rules: dict | None = None) -> Draft:
+        return super().propose(slots, sequences, limits, _ReportsUnwarped(sampler), stop_rules)
 
 
 class _ReportsUnwarped:
@@ -146,7 +146,7 @@ class _ReportsUnwarped:
         return token, logits.softmax(-1)
 
 
-def no_residual(num_accepted, draft_token_ids, draft_probs, target_probs) -> torch.Tensor:
+def no_residual(num_accepted, draft_token_ids, draft_probs, target_probs, num_drafts) -> torch.Tensor:
     """Negative control: the replacement is drawn from p instead of norm(max(0, p - q))."""
     return target_probs[torch.arange(len(num_accepted)), num_accepted]
 
@@ -190,10 +190,10 @@ def test_prompt_lookup_drafts_are_lossless(checkpoints, reference_models, monkey
 
 def test_lookup_first_drafts_are_lossless(checkpoints, reference_models, monkeypatch) -> None:
     """A deterministic draft in the first round, the model's sampled drafts after it (its cache catching up
-    over the skipped round), then the same test with the residual broken. In a batch of 24,000 rows real
-    prompt lookup almost never matches in every row at once, which is when it drafts; so its lookup is
-    replaced by one that always proposes in the first round (the last three tokens again) and never after:
-    deterministic given the committed prefix, as a lossless draft must be."""
+    over the skipped round), then the same test with the residual broken. Real prompt lookup on random
+    8-token sequences would match in some rows and not others; so that every row has both kinds of round,
+    its lookup is replaced by one that always proposes in the first round (the last three tokens again) and
+    never after: deterministic given the committed prefix, as a lossless draft must be."""
     decoder = SpeculativeDecoder.from_pretrained(
         checkpoints[0], f"ngram+{checkpoints[1]}", max_context=MAX_CONTEXT, num_draft_tokens=3
     )
@@ -238,9 +238,9 @@ def test_acceptance_rate_matches_theory(decoder, reference_models) -> None:
 
 @pytest.fixture
 def steady_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The decoder's clock advances 1 ms per reading: auto's choices, and so the test, become repeatable."""
+    """The scheduler's clock advances 1 ms per reading: auto's choices, and so the test, become repeatable."""
     ticks = itertools.count()
-    monkeypatch.setattr(specdec_trt.decoder.time, "perf_counter", lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(specdec_trt.scheduler.time, "perf_counter", lambda: next(ticks) * 1e-3)
 
 
 def stopping_threshold(target: torch.nn.Module, draft: torch.nn.Module, params: SamplingParams) -> float:
@@ -276,9 +276,9 @@ def spy_on_rounds(decoder: SpeculativeDecoder, monkeypatch: pytest.MonkeyPatch) 
     rounds = []
     propose = decoder.drafter.propose
 
-    def spy(sequences, num_tokens, sampler, stop_rule=None):
-        draft = propose(sequences, num_tokens, sampler, stop_rule)
-        rounds.append((num_tokens, draft.num_tokens))
+    def spy(slots, sequences, limits, sampler, stop_rules=None):
+        draft = propose(slots, sequences, limits, sampler, stop_rules)
+        rounds.append((max(limits), draft.num_tokens))
         return draft
 
     monkeypatch.setattr(decoder.drafter, "propose", spy)
@@ -298,7 +298,8 @@ def test_auto_with_early_stop_is_lossless(name: str, checkpoints, reference_mode
     assert sum(o.stats.accepted_tokens for o in outputs) > RUNS / 4
     assert chi_square_p(counts, probs) > PASS_P
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
-    broken_counts, _ = pipeline_counts(decoder, params, AUTO)
+    fresh = auto_decoder(checkpoints, threshold=stopping_threshold(*reference_models, params))  # as the first ran
+    broken_counts, _ = pipeline_counts(fresh, params, AUTO)
     assert chi_square_p(broken_counts, probs) < REJECT_P
 
 
@@ -323,5 +324,5 @@ def test_auto_with_its_cost_aware_stop_is_lossless(checkpoints, reference_models
     assert any(made < asked for asked, made in rounds[1:]), f"no round was cut short: {rounds}"
     assert chi_square_p(counts, probs) > PASS_P
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
-    broken_counts, _ = pipeline_counts(decoder, params, AUTO)
+    broken_counts, _ = pipeline_counts(auto_decoder(checkpoints, threshold=None), params, AUTO)  # as the first ran
     assert chi_square_p(broken_counts, probs) < REJECT_P

@@ -145,7 +145,7 @@ def test_truncate_then_refeed_ignores_stale_drafts(family: Family) -> None:
     drafts = random_ids(generator, VERIFY_WIDTH, engine.vocab_size)
     engine.forward(torch.tensor([drafts]))
     kept = prompt + drafts[:3]
-    engine.truncate(len(kept))
+    engine.truncate_all(len(kept))
     assert engine.lengths.tolist() == [len(kept)]
     replacement = [(t + 1) % engine.vocab_size for t in drafts[3:5]]  # differs from the stale entries
     logits = engine.forward(torch.tensor([replacement]))
@@ -165,7 +165,7 @@ def test_speculative_rounds_match_reference(family: Family, backend: str, monkey
         logits = engine.forward(torch.tensor([new]))
         assert_logits(logits[0], reference_logits(family.reference, seq + new)[-width:])
         seq += new[:kept]
-        engine.truncate(len(seq))
+        engine.truncate_all(len(seq))
         assert engine.lengths.tolist() == [len(seq)]
     assert backend == "cpu" or engine.num_graphs >= 3  # widths 1, 4 and 6, over spans of 16 to 64 positions
 
@@ -216,7 +216,7 @@ def check_ragged_batch(family: Family, engine: TorchEngine, backend: str) -> Non
             assert_logits(logits[row], expected)
         for row, kept in enumerate(kept_per_row):
             seqs[row] += new[row, :kept].tolist()
-        engine.truncate(torch.tensor([len(s) for s in seqs]))
+        engine.truncate_all(torch.tensor([len(s) for s in seqs]))
         assert engine.lengths.tolist() == [len(s) for s in seqs]
     assert backend.startswith("cpu") or engine.num_graphs >= 2  # widths 3 and 1 replayed graphs
 
@@ -279,11 +279,11 @@ def test_truncate_never_moves_forward_or_below_zero(llama: Family) -> None:
     engine.prefill(ids, lengths)
     for bad in (5, -1, torch.tensor([4, 7]), torch.tensor([-1, 6])):
         with pytest.raises(ValueError, match="outside the cached lengths"):
-            engine.truncate(bad)
+            engine.truncate_all(bad)
         assert engine.lengths.tolist() == [4, 6]
-    engine.truncate(torch.tensor([2, 6]))
+    engine.truncate_all(torch.tensor([2, 6]))
     assert engine.lengths.tolist() == [2, 6]
-    engine.truncate(0)
+    engine.truncate_all(0)
     assert engine.lengths.tolist() == [0, 0]
 
 
@@ -302,7 +302,7 @@ def test_forward_past_max_context_raises_and_keeps_lengths(llama: Family) -> Non
     assert engine.lengths.tolist() == [16]
 
     seq = seq[:12]
-    engine.truncate(12)
+    engine.truncate_all(12)
     with pytest.raises(ContextOverflowError):
         engine.forward(torch.tensor([random_ids(generator, VERIFY_WIDTH, engine.vocab_size)]))
     assert engine.lengths.tolist() == [12]
@@ -407,7 +407,7 @@ def test_smollm2_matches_transformers(smollm2: SmolLM2) -> None:
     assert_logits(engine.forward(torch.tensor([block]))[0], reference[31:37])
     assert engine.lengths.tolist() == [37]
 
-    engine.truncate(33)
+    engine.truncate_all(33)
     refeed = [smollm2.tokenizer.eos_token_id]
     expected = reference_logits(smollm2.reference, ids[:33] + refeed)[-1:]
     assert_logits(engine.forward(torch.tensor([refeed]))[0], expected)

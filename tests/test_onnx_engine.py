@@ -3,7 +3,8 @@
 Engine directories are built once for the module by ``specdec_trt.build.build`` (in fresh processes, see
 test_build.py): one per family (a tiny target with a draft that agrees often), an int4 self-draft, and a
 V=8 target/draft pair for the losslessness tests. ``OrtEngine`` must give the torch engine's logits to
-1e-4 through prefill, verify-shaped forwards on both of its internal paths, and per-row truncation;
+1e-4 through prefill, verify-shaped forwards on both of its internal paths, and per-row truncation; a slot
+extended with another engine's keys and values (``copy_from``) must compute what that engine computes;
 speculative greedy output must equal target-only greedy output token for token; sampled output must
 follow the target's exact distribution.
 """
@@ -50,6 +51,7 @@ from specdec_trt.bench.replay import (
     Proposer,
     SampledChains,
     fixed_length_rounds,
+    fork,
     position_counts,
     record_model_chains,
     record_sampled_chains,
@@ -62,8 +64,10 @@ from specdec_trt.build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
 from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import MODEL, LookupFirstDrafter, ModelDrafter
 from specdec_trt.loading import model_spec, open_engine_directory
+from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine
 from specdec_trt.runtime.torch_engine import TorchEngine
+from specdec_trt.schedule import DraftLengthController
 
 ATOL = 1e-4
 MAX_DRAFT_LEN = 8
@@ -120,6 +124,15 @@ def target_engine(directory: Path) -> OrtEngine:
     return OrtEngine(model_spec(directory, read_manifest(directory).target))
 
 
+def release_slots(*engines: Engine) -> None:
+    """Free every slot of ``engines`` that the replay's recordings (engine-level batches) left occupied: a
+    decoder over the same engines admits its requests into those slots."""
+    for engine in engines:
+        for slot in range(engine.num_slots):
+            if engine.occupied(slot):
+                engine.release(slot)
+
+
 # --- logits: OrtEngine against TorchEngine ----------------------------------------------------------------
 
 
@@ -129,6 +142,7 @@ class Lockstep:
 
     def __init__(self, ours: OrtEngine, reference: TorchEngine, generator: torch.Generator) -> None:
         self.ours, self.reference, self.generator = ours, reference, generator
+        self.batch = 0  # rows of the batch started by the last prefill (slots 0 .. batch - 1)
 
     def ids(self, batch: int, width: int) -> torch.Tensor:
         return torch.randint(3, self.ours.vocab_size, (batch, width), generator=self.generator)
@@ -136,16 +150,18 @@ class Lockstep:
     def prefill(self, lengths: list[int]) -> None:
         """Right-padded prompts; the padding is random real tokens, so padding that leaks shows."""
         ids, real = self.ids(len(lengths), max(lengths)), torch.tensor(lengths)
+        self.batch = len(lengths)
         self.check(self.ours.prefill(ids, real), self.reference.prefill(ids, real), (len(lengths), self.vocab))
+        assert self.ours.lengths[: self.batch].tolist() == lengths and self.ours.lengths[self.batch :].sum() == 0
 
     def forward(self, width: int) -> None:
-        ids = self.ids(len(self.ours.lengths), width)
+        ids = self.ids(self.batch, width)
         self.check(self.ours.forward(ids), self.reference.forward(ids), (len(ids), width, self.vocab))
 
     def truncate(self, lengths: list[int]) -> None:
-        self.ours.truncate(torch.tensor(lengths))
-        self.reference.truncate(torch.tensor(lengths))
-        assert self.ours.lengths.tolist() == lengths
+        self.ours.truncate_all(torch.tensor(lengths))
+        self.reference.truncate_all(torch.tensor(lengths))
+        assert self.ours.lengths[: self.batch].tolist() == lengths
 
     @property
     def vocab(self) -> int:
@@ -177,28 +193,32 @@ def test_logits_match_the_torch_engine(family: str, batch: int, engine_dirs: dic
     pair.forward(VERIFY_WIDTH)
     pair.forward(1)
     for _ in range(3):  # verify rounds: each row keeps its own number of accepted drafts plus one token
-        kept = pair.ours.lengths + 1 + torch.randint(0, MAX_DRAFT_LEN + 1, (batch,), generator=generator)
+        kept = pair.ours.lengths[:batch] + 1 + torch.randint(0, MAX_DRAFT_LEN + 1, (batch,), generator=generator)
         pair.forward(VERIFY_WIDTH)
         pair.truncate(kept.tolist())
     pair.forward(VERIFY_WIDTH)
 
 
-def test_adopted_prompt_cache_continues_like_its_source(engine_dirs: dict[str, Path]) -> None:
-    """An engine that adopts another's prompt cache (here over the same graph) then computes exactly what
-    the source computes, on a ragged batch, after a previous batch of another size."""
+def test_copied_prompt_cache_continues_like_its_source(engine_dirs: dict[str, Path]) -> None:
+    """An engine whose fresh slots copy another's prompt caches (``copy_from``, here over the same graph) then
+    computes exactly what the source computes, on a ragged batch, after a previous batch of another size."""
     source, adopter = target_engine(engine_dirs["llama"]), target_engine(engine_dirs["llama"])
     generator = torch.Generator().manual_seed(0)
     adopter.prefill(torch.randint(3, source.vocab_size, (1, 30), generator=generator), torch.tensor([30]))
+    adopter.release(0)
     source.prefill(torch.randint(3, source.vocab_size, (3, 9), generator=generator), torch.tensor([5, 2, 9]))
-    adopter.adopt_prompt_cache(source)
+    adopter.reserve(3)
+    for slot, length in enumerate((5, 2, 9)):
+        adopter.admit(slot)
+        adopter.copy_from(source, slot, length)
     assert adopter.lengths.tolist() == [5, 2, 9]
     for width in (VERIFY_WIDTH, 1):
         ids = torch.randint(3, source.vocab_size, (3, width), generator=generator)
         torch.testing.assert_close(adopter.forward(ids), source.forward(ids), atol=1e-6, rtol=0)
 
 
-def test_adopted_cache_extends_rows_like_their_source(engine_dirs: dict[str, Path]) -> None:
-    """adopt_cache extends each row by the source's keys and values (a ragged batch, one row unchanged): the
+def test_copied_cache_extends_rows_like_their_source(engine_dirs: dict[str, Path]) -> None:
+    """copy_from extends each slot by the source's keys and values (a ragged batch, one row unchanged): the
     adopter then computes what the source computes; shrinking a row, or reading past the source, is refused."""
     source, adopter = target_engine(engine_dirs["llama"]), target_engine(engine_dirs["llama"])
     generator = torch.Generator().manual_seed(1)
@@ -206,36 +226,40 @@ def test_adopted_cache_extends_rows_like_their_source(engine_dirs: dict[str, Pat
     source.prefill(prompts, torch.tensor([5, 2, 9]))
     adopter.prefill(prompts, torch.tensor([5, 2, 9]))
     source.forward(torch.randint(3, source.vocab_size, (3, 4), generator=generator))  # lengths 9, 6, 13
-    adopter.adopt_cache(source, [8, 2, 13])
+    for slot, stop in enumerate((8, 2, 13)):
+        adopter.copy_from(source, slot, stop)
     assert adopter.lengths.tolist() == [8, 2, 13]
-    source.truncate(torch.tensor([8, 2, 13]))
+    source.truncate_all(torch.tensor([8, 2, 13]))
     for width in (VERIFY_WIDTH, 1):
         ids = torch.randint(3, source.vocab_size, (3, width), generator=generator)
         torch.testing.assert_close(adopter.forward(ids), source.forward(ids), atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="only extends"):
-        adopter.adopt_cache(source, [8, 2, 13])
-    with pytest.raises(ValueError, match="only extends"):
-        adopter.adopt_cache(source, [30, 30, 30])
+    lengths = adopter.lengths.tolist()
+    for slot, stop in enumerate((8, 2, 13)):
+        with pytest.raises(ValueError, match="only extends"):
+            adopter.copy_from(source, slot, stop)
+        with pytest.raises(ValueError, match="only extends"):
+            adopter.copy_from(source, slot, 30)
+    assert adopter.lengths.tolist() == lengths
 
 
 def test_forked_cache_continues_each_prefix_like_a_prefill_of_it(engine_dirs: dict[str, Path]) -> None:
-    """fork_cache starts one row per prefix of a cached sequence: each then computes what a prefill of that
-    prefix computes; a prefix longer than the source holds is refused."""
+    """``fork`` (copy_from one source slot into several) starts one row per prefix of a cached sequence: each
+    then computes what a prefill of that prefix computes; a prefix longer than the source holds is refused."""
     source, forked, reference = (target_engine(engine_dirs["llama"]) for _ in range(3))
     generator = torch.Generator().manual_seed(2)
     sequence = torch.randint(3, source.vocab_size, (1, 20), generator=generator)
     forked.prefill(sequence[:, :3], torch.tensor([3]))  # a batch of another size before
     source.prefill(sequence, torch.tensor([20]))
-    forked.fork_cache(source, [4, 11, 20])
+    fork(forked, source, [4, 11, 20])
     assert forked.lengths.tolist() == [4, 11, 20]
     new = torch.randint(3, source.vocab_size, (3, 2), generator=generator)
     logits = forked.forward(new)
     for row, length in enumerate((4, 11, 20)):
         reference.prefill(torch.cat([sequence[:, :length], new[row : row + 1]], 1), torch.tensor([length + 2]))
-        reference.truncate(length)
+        reference.truncate_all(length)
         torch.testing.assert_close(logits[row : row + 1], reference.forward(new[row : row + 1]), atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="fork_cache"):
-        forked.fork_cache(source, [21])
+    with pytest.raises(ValueError, match="copy_from"):
+        fork(forked, source, [21])
 
 
 @pytest.mark.parametrize("gamma", [1, 3, MAX_DRAFT_LEN])
@@ -252,6 +276,7 @@ def test_replayed_self_draft_rounds_equal_the_decoder_rounds(gamma: int, engine_
         chains = record_model_chains(
             target, draft, prompt_ids + real.token_ids, len(prompt_ids) + 1, MAX_DRAFT_LEN, rows=3
         )
+        release_slots(target, draft)
         replayed = fixed_length_rounds(prompt_ids, real.token_ids, chains.proposer(), gamma, MODEL)
         assert len(replayed) == real.stats.rounds, prompt
         drafted, accepted = position_counts(replayed, gamma)
@@ -317,6 +342,7 @@ def sampled_recordings(lossless_int4: tuple[SpeculativeDecoder, torch.nn.Module]
         )
         coins = np.random.default_rng(seed).random(len(sequence))
         recordings.append(SampledRecording(seed, output.token_ids, sampled, coins, greedy))
+    release_slots(target, draft)
     return recordings
 
 
@@ -336,35 +362,52 @@ def test_replayed_sampled_self_draft_rounds_follow_the_decoder_in_distribution(
     as for greedy output, are rejected."""
     decoder, _ = lossless_int4
     target, draft = decoder.target, decoder.drafter.engine
-    # One request at a time: in a batch, every row drafts for the row with the most tokens left.
-    speculative = [
-        decoder.generate(PROMPT, replace(SAMPLED_REPLAY, seed=seed), gamma) for seed in range(SAMPLED_REPLAY_RUNS)
-    ]
+    # One request at a time: in a batch, auto chooses one draft length for the rows drafting alike. Each with
+    # fresh auto controllers: a decoder's learn across its requests, and the replay starts every generation
+    # with fresh ones.
+    speculative = []
+    for seed in range(SAMPLED_REPLAY_RUNS):
+        scheduler = decoder.scheduler
+        scheduler.controllers = {
+            part: DraftLengthController(scheduler.max_auto_draft) for part in scheduler.controllers
+        }
+        speculative.append(decoder.generate(PROMPT, replace(SAMPLED_REPLAY, seed=seed), gamma))
     decoded = Counter(
         run_shape(o.stats.rounds, o.stats.drafted_per_position, o.stats.accepted_per_position) for o in speculative
     )
     replayed, as_greedy = Counter(), Counter()
-    for recording in sampled_recordings:
-        sequence = PROMPT + recording.output
-        after_rejected = sampled_continuation(target, draft, sequence, SAMPLED_REPLAY, recording.seed)
-        proposer = recording.sampled.proposer(recording.coins, after_rejected)
-        replayed[replayed_shape(recording.output, {MODEL: proposer}, gamma)] += 1
-        as_greedy[replayed_shape(recording.output, {MODEL: recording.greedy.proposer()}, gamma)] += 1
+    try:
+        for recording in sampled_recordings:
+            sequence = PROMPT + recording.output
+            after_rejected = sampled_continuation(target, draft, sequence, SAMPLED_REPLAY, recording.seed)
+            proposer = recording.sampled.proposer(recording.coins, after_rejected)
+            replayed[replayed_shape(recording.output, {MODEL: proposer}, gamma)] += 1
+            as_greedy[replayed_shape(recording.output, {MODEL: recording.greedy.proposer()}, gamma)] += 1
+    finally:
+        release_slots(target, draft)  # the continuations ran on the decoder's engines
     assert len(decoded) > 3, decoded  # rounds vary: some drafts are rejected
     assert homogeneity_p(decoded, replayed) > PASS_P
     assert homogeneity_p(decoded, as_greedy) < REJECT_P
 
 
-def test_adopt_prompt_cache_refuses_another_layout_or_an_empty_source(engine_dirs: dict[str, Path]) -> None:
+def test_copy_from_refuses_another_layout_or_an_empty_source(engine_dirs: dict[str, Path]) -> None:
     directory = engine_dirs["llama"]
     source = target_engine(directory)
-    with pytest.raises(RuntimeError, match="no cached prompt"):
-        target_engine(directory).adopt_prompt_cache(source)
+
+    def admitted(engine: OrtEngine) -> OrtEngine:
+        engine.reserve(1)
+        engine.admit(0)
+        return engine
+
+    with pytest.raises(ValueError, match="are free"):  # the source holds no sequence in that slot
+        admitted(target_engine(directory)).copy_from(source, 0, 3)
+    with pytest.raises(ValueError, match="only extends, with tokens the source holds"):  # nor any token
+        admitted(target_engine(directory)).copy_from(admitted(source), 0, 3)
     source.prefill(torch.tensor([[3, 4, 5]]), torch.tensor([3]))
     spec = model_spec(directory, read_manifest(directory).target)
-    other = OrtEngine(replace(spec, num_kv_heads=spec.num_kv_heads * 2))
+    other = admitted(OrtEngine(replace(spec, num_kv_heads=spec.num_kv_heads * 2)))
     with pytest.raises(ValueError, match="same cache layout"):
-        other.adopt_prompt_cache(source)
+        other.copy_from(source, 0, 3)
 
 
 def test_second_prefill_starts_afresh(engine_dirs: dict[str, Path], make_checkpoint) -> None:

@@ -7,8 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from specdec_trt import SamplingParams
 from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, lookup_confidence
 from specdec_trt.loading import load_engines
+from specdec_trt.sampling import BatchSampler
 
 
 def lookup(drafter: PromptLookupDrafter, sequence: list[int], num_tokens: int) -> list[int]:
@@ -56,25 +58,33 @@ def test_confidence_grows_with_the_repeat_a_token_continues() -> None:
 
 def test_a_stop_rule_sees_each_position_and_cuts_the_round() -> None:
     """With a stop rule, every drafted position is shown to it with each row's confidence (0 where a row's
-    shorter match was padded); the round ends after the position it stops at. Without one, nothing is cut and
-    no confidence is reported."""
+    shorter match was padded), the rows' slots and which rows still draft there; the round ends after the
+    position it stops at. Without one, nothing is cut and no confidence is reported."""
     drafter = PromptLookupDrafter()
     sequences = [[1, 2, 3, 4, 5, 6, 7, 1, 2], [8, 9, 8]]  # a 2-token match (5 tokens follow), a 1-token one (2)
+    slots, limits = [3, 7], [5, 5]
     seen: list[list[float]] = []
+    drafting: list[list[bool]] = []
 
-    def stop_after_third(confidence: torch.Tensor) -> bool:
+    def stop_after_third(confidence: torch.Tensor, rule_slots, still: np.ndarray) -> bool:
+        assert list(rule_slots) == slots
         seen.append(confidence.tolist())
+        drafting.append(still.tolist())
         return len(seen) == 3
 
-    draft = drafter.propose(sequences, 5, sampler=None, stop_rule=stop_after_third)
+    draft = drafter.propose(slots, sequences, limits, None, {LOOKUP: stop_after_third})
     assert draft.token_ids.tolist() == [[3, 4, 5], [9, 8, 8]]
+    assert draft.num_drafts.tolist() == [3, 2]  # the second row's third token is padding
     expected = [[2 / 3, 3 / 4, 4 / 5], [1 / 2, 2 / 3, 0.0]]
     torch.testing.assert_close(draft.confidence, torch.tensor(expected))
     np.testing.assert_allclose(seen, np.transpose(expected), rtol=1e-6)
-    never = drafter.propose(sequences, 5, sampler=None, stop_rule=lambda confidence: False)
+    assert drafting == [[True, True], [True, True], [True, False]]
+    never = drafter.propose(slots, sequences, limits, None, {LOOKUP: lambda confidence, slots, still: False})
     assert never.num_tokens == 5 and never.confidence.shape == (2, 5)
-    plain = drafter.propose(sequences, 5, sampler=None)
+    assert never.num_drafts.tolist() == [5, 2]
+    plain = drafter.propose(slots, sequences, limits, None)
     assert plain.token_ids.tolist() == never.token_ids.tolist() and plain.confidence is None
+    assert plain.num_drafts.tolist() == [5, 2]
 
 
 @pytest.mark.parametrize(("max_ngram", "min_ngram"), [(2, 3), (2, 0)])
@@ -86,6 +96,18 @@ def test_bad_ngram_bounds_are_refused(max_ngram: int, min_ngram: int) -> None:
 def test_lookup_first_drafts_by_lookup_only_after_a_match_of_two_tokens(make_checkpoint) -> None:
     checkpoint = make_checkpoint(family="llama")
     _, _, drafter = load_engines(checkpoint, f"ngram+{checkpoint}")
-    assert drafter.part([[5, 6, 7, 1, 5]]) == MODEL  # one token matches: the model drafts
-    assert drafter.part([[5, 6, 7, 5, 6]]) == LOOKUP
-    assert drafter.part([[5, 6, 7, 5, 6], [5, 6, 7, 1, 5]]) == MODEL  # lookup drafts only for a whole batch
+    assert drafter.parts([[5, 6, 7, 1, 5]]) == [MODEL]  # one token matches: the model drafts
+    assert drafter.parts([[5, 6, 7, 5, 6]]) == [LOOKUP]
+    sequences = [[5, 6, 7, 5, 6], [5, 6, 7, 1, 5]]
+    assert drafter.parts(sequences) == [LOOKUP, MODEL]  # each row by its own match, whatever shares the batch
+    # In one round: the first row drafts by lookup, the second with the model, as it would alone.
+    slots = [0, 1]
+    drafter.reserve(len(slots))
+    for slot in slots:
+        drafter.admit(slot)
+    drafter.prefill(slots, [s[:-1] for s in sequences])
+    sampler = BatchSampler([SamplingParams()] * len(slots))
+    draft = drafter.propose(slots, sequences, [3, 3], sampler)
+    assert draft.token_ids[0].tolist() == [7, 5, 6] and draft.num_drafts.tolist() == [3, 3]
+    alone = drafter.model.propose(slots[1:], sequences[1:], [3], sampler.subset([1]))
+    assert draft.token_ids[1].tolist() == alone.token_ids[0].tolist()

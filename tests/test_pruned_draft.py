@@ -60,17 +60,28 @@ class UnprunedQDrafter(ModelDrafter):
         super().__init__(pruned.engine)
         self.unpruned = unpruned
 
-    def begin(self, prompt_ids: torch.Tensor, lengths: torch.Tensor) -> None:
-        super().begin(prompt_ids, lengths)
-        self.unpruned.begin(prompt_ids, lengths)
+    def reserve(self, num_slots: int) -> None:
+        super().reserve(num_slots)
+        self.unpruned.reserve(num_slots)
 
-    def propose(self, sequences, num_tokens: int, sampler: BatchSampler, *args, **kwargs) -> Draft:
-        draft = super().propose(sequences, num_tokens, sampler)
-        lengths = torch.tensor([len(s) for s in sequences])
-        self.unpruned.engine.truncate(lengths - 2)
+    def admit(self, slot: int) -> None:
+        super().admit(slot)
+        self.unpruned.admit(slot)
+
+    def prefill(self, slots, chunks) -> None:
+        super().prefill(slots, chunks)
+        self.unpruned.prefill(slots, chunks)
+
+    def release(self, slot: int) -> None:
+        super().release(slot)
+        self.unpruned.release(slot)
+
+    def propose(self, slots, sequences, limits, sampler: BatchSampler, *args, **kwargs) -> Draft:
+        draft = super().propose(slots, sequences, limits, sampler)
+        self.unpruned.engine.truncate(slots, [len(s) - 2 for s in sequences])
         context = torch.tensor([list(s[-2:]) for s in sequences])
-        logits = self.unpruned.engine.forward(torch.cat([context, draft.token_ids[:, :-1]], 1))[:, 1:]
-        return Draft(draft.token_ids, sampler.probs(logits))
+        logits = self.unpruned.engine.step(slots, torch.cat([context, draft.token_ids[:, :-1]], 1))[:, 1:]
+        return Draft(draft.token_ids, draft.num_drafts, sampler.probs(logits))
 
 
 @pytest.mark.parametrize("name", ["temperature", "top_p"])
@@ -88,9 +99,14 @@ def test_pruned_draft_is_lossless(name: str, checkpoints, target_model) -> None:
 def test_pruned_draft_never_proposes_pruned_tokens(checkpoints) -> None:
     _, _, drafter = load_engines(*checkpoints, max_context=MAX_CONTEXT)
     rows = 2000
-    drafter.begin(torch.tensor([PROMPT] * rows), torch.full((rows,), len(PROMPT)))
+    slots = list(range(rows))
+    drafter.reserve(rows)
+    for slot in slots:
+        drafter.admit(slot)
+    drafter.prefill(slots, [PROMPT] * rows)
     sampler = BatchSampler([SamplingParams(temperature=1.5, seed=seed) for seed in range(rows)])
-    draft = drafter.propose([PROMPT + [5]] * rows, 3, sampler)
+    draft = drafter.propose(slots, [PROMPT + [5]] * rows, [3] * rows, sampler)
+    assert draft.num_drafts.tolist() == [3] * rows
     assert not torch.isin(draft.token_ids, torch.tensor(PRUNED)).any()
     assert (draft.probs[..., PRUNED] == 0).all() and (draft.probs[..., DRAFT_VOCAB] > 0).any(-1).all()
     assert len(draft.token_ids.unique()) == len(DRAFT_VOCAB), "a hot draft should propose every token it has"

@@ -285,6 +285,7 @@ def test_negative_control_residual_without_subtracting_q_is_rejected(monkeypatch
         draft_token_ids: torch.Tensor,
         draft_probs: torch.Tensor | None,
         target_probs: torch.Tensor,
+        num_drafts: torch.Tensor,
     ) -> torch.Tensor:
         return target_probs[torch.arange(len(num_accepted)), num_accepted]
 
@@ -353,7 +354,7 @@ def test_residual_of_identical_p_and_q_is_finite_and_falls_back_to_p() -> None:
     # force the rejection branch that p == q makes (almost) impossible
     for position in range(gamma):
         forced = torch.full((rows,), position)
-        recovery = recovery_distribution(forced, drafts, q, target)
+        recovery = recovery_distribution(forced, drafts, q, target, torch.full((rows,), gamma))
         assert torch.isfinite(recovery).all() and (recovery.sum(-1) > 0).all()
         torch.testing.assert_close(recovery, target[:, position])
         tokens = sample_from(recovery, torch.rand(rows, generator=generator))
@@ -365,15 +366,43 @@ def test_recovery_distribution_is_residual_at_rejection_and_target_after_full_ac
     draft_probs = torch.stack([Q, P]).expand(3, -1, -1)
     bonus = torch.full((VOCAB,), 1 / VOCAB)
     target = torch.stack([P, Q, bonus]).expand(3, -1, -1)
-    recovery = recovery_distribution(torch.tensor([0, 1, 2]), drafts, draft_probs, target)
+    drafted = torch.tensor([2, 2, 2])
+    recovery = recovery_distribution(torch.tensor([0, 1, 2]), drafts, draft_probs, target, drafted)
     torch.testing.assert_close(recovery[0], (P - Q).clamp(min=0))
     torch.testing.assert_close(recovery[1], (Q - P).clamp(min=0))
     torch.testing.assert_close(recovery[2], bonus)
-    deterministic = recovery_distribution(torch.tensor([0, 1, 2]), drafts, None, target)
+    deterministic = recovery_distribution(torch.tensor([0, 1, 2]), drafts, None, target, drafted)
     expected = torch.stack([P, Q, bonus])
     expected[0, 1] = 0.0
     expected[1, 3] = 0.0
     torch.testing.assert_close(deterministic, expected)
+    # A row that drafted fewer than the batch's widest: after its own drafts were all accepted, the bonus is
+    # the target's distribution at its own next position, not a residual against the padding there.
+    short = recovery_distribution(torch.tensor([1, 0]), drafts[:2], draft_probs[:2], target[:2], torch.tensor([1, 0]))
+    torch.testing.assert_close(short, torch.stack([Q, P]))
+
+
+def test_each_row_verifies_only_its_own_drafts() -> None:
+    """Rows with per-row ``num_drafts``: padding is never accepted, and each row's output is what it gives alone
+    at its own draft length (greedy exactly; sampled with deterministic drafts, the same accepted prefix)."""
+    gamma, rows = 4, 2_000
+    drafts, _, target = sampled_batch(rows, gamma, seed=26, deterministic=True)
+    num_drafts = torch.arange(rows) % (gamma + 1)
+    logits = target.log()
+    output, num_accepted = greedy_verify(drafts, logits, num_drafts)
+    assert (num_accepted <= num_drafts).all() and (num_accepted == num_drafts).any()
+    for k in range(gamma + 1):
+        row = torch.nonzero(num_drafts == k)[:, 0]
+        alone, alone_accepted = greedy_verify(drafts[row, :k], logits[row, : k + 1])
+        assert torch.equal(num_accepted[row], alone_accepted)
+        assert torch.equal(output[row, : k + 1], alone) and (output[row, k + 1 :] == -1).all()
+    sampled, sampled_accepted = rejection_sample(drafts, None, target, torch.Generator().manual_seed(27), num_drafts)
+    assert (sampled_accepted <= num_drafts).all()
+    assert (torch.bincount(sampled_accepted[num_drafts == gamma], minlength=gamma + 1) > 0).all()
+    for k in range(gamma + 1):
+        row = torch.nonzero(num_drafts == k)[:, 0]
+        assert_output_contract(sampled[row, : k + 1], sampled_accepted[row], drafts[row, :k])
+        assert (sampled[row, k + 1 :] == -1).all()
 
 
 # --- g = 0 ---------------------------------------------------------------------------------------------

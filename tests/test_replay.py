@@ -151,12 +151,19 @@ def test_replayed_lookup_rounds_equal_the_decoder_rounds_when_sampling(
     replacement token is drawn from p, not from the residual, can emit the token it just rejected, and the
     replay then miscounts."""
     checkpoint = make_checkpoint(with_tokenizer=False, vocab_size=8, seed=11, logit_scale=1.5)
-    _, engine, _ = load_engines(checkpoint, None, max_context=64)
-    decoder = SpeculativeDecoder(engine, PromptLookupDrafter(), num_draft_tokens=k)
-    runs = [lookup_rounds_replayed(decoder, k, seed) for seed in range(4)]
+
+    def fresh() -> SpeculativeDecoder:
+        """A decoder of its own for each run: a decoder's auto controllers learn across its requests, and the
+        replay starts every generation with fresh ones."""
+        _, engine, _ = load_engines(checkpoint, None, max_context=64)
+        return SpeculativeDecoder(engine, PromptLookupDrafter(), num_draft_tokens=k)
+
+    runs = [lookup_rounds_replayed(fresh(), k, seed) for seed in range(4)]
     assert all(same for same, _, _ in runs)
     assert sum(a for _, a, _ in runs) > 0 and sum(r for _, _, r in runs) > 0, runs
     monkeypatch.setattr(
-        specdec_trt.rejection, "recovery_distribution", lambda accepted, _ids, _q, p: p[torch.arange(len(p)), accepted]
+        specdec_trt.rejection,
+        "recovery_distribution",
+        lambda accepted, _ids, _q, p, _drafted: p[torch.arange(len(p)), accepted],
     )
-    assert not all(lookup_rounds_replayed(decoder, k, seed)[0] for seed in range(4))
+    assert not all(lookup_rounds_replayed(fresh(), k, seed)[0] for seed in range(4))

@@ -20,186 +20,230 @@ from specdec_trt.schedule import (
     FIRST_DRAFT_LENGTH,
     POSITION_SHRINK,
     PROBE_EVERY,
+    AcceptanceEvidence,
     DraftLengthController,
 )
 
 MAX = 8
 
 
+def evidence(controller: DraftLengthController, batch: int = 1) -> list[AcceptanceEvidence]:
+    """Fresh evidence for ``batch`` rows, each kept by its row from round to round."""
+    return [controller.evidence() for _ in range(batch)]
+
+
 def feed(
     controller: DraftLengthController,
+    rows: list[AcceptanceEvidence],
     rounds: int,
     accept: float,
     draft_step_s: float,
     verify_s: tuple[float, float] = (0.10, 0.005),
-    batch: int = 1,
 ) -> list[int]:
-    """Run ``rounds`` rounds: each asks the controller, then reports drafts accepted as a fixed fraction
-    ``accept`` of the drafted ones (1: all; 0: the first is rejected), drafting at ``draft_step_s`` per token
-    and verifying in a + b * gamma seconds. Returns the chosen draft lengths."""
+    """Run ``rounds`` rounds over ``rows``: each asks the controller, then reports drafts accepted as a fixed
+    fraction ``accept`` of the drafted ones (1: all; 0: the first is rejected), drafting at ``draft_step_s``
+    per token and verifying in a + b * gamma seconds. Returns the chosen draft lengths."""
     chosen = []
     for _ in range(rounds):
-        gamma = controller.choose([True] * batch, 100)
+        gamma = controller.choose(rows, 100)
         chosen.append(gamma)
-        accepted = [int(accept * gamma)] * batch
+        accepted = [int(accept * gamma)] * len(rows)
         a, b = verify_s
-        controller.observe(gamma, accepted, [True] * batch, gamma * draft_step_s, a + b * gamma)
+        controller.observe(gamma, accepted, rows, gamma * draft_step_s, a + b * gamma)
     return chosen
 
 
 def test_first_round_is_the_default_clamped_to_max_and_remaining() -> None:
-    assert DraftLengthController(MAX, 1).choose([True], 100) == FIRST_DRAFT_LENGTH
-    assert DraftLengthController(2, 1).choose([True], 100) == 2
-    assert DraftLengthController(MAX, 1).choose([True], 3) == 3
-    assert DraftLengthController(MAX, 1).choose([True], 0) == 0
+    def first(max_draft: int, remaining: int) -> int:
+        controller = DraftLengthController(max_draft)
+        return controller.choose(evidence(controller), remaining)
+
+    assert first(MAX, 100) == FIRST_DRAFT_LENGTH
+    assert first(2, 100) == 2
+    assert first(MAX, 3) == 3
+    assert first(MAX, 0) == 0
 
 
 def test_high_acceptance_and_a_cheap_draft_draft_long() -> None:
-    controller = DraftLengthController(MAX, 2)
-    chosen = feed(controller, 12, accept=1.0, draft_step_s=0.005, batch=2)
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller, 2)
+    chosen = feed(controller, rows, 12, accept=1.0, draft_step_s=0.005)
     assert chosen[-4:] == [MAX] * 4
-    assert controller.acceptance().min() > 0.9
+    assert controller.acceptance(rows).min() > 0.9
 
 
 def test_low_acceptance_and_an_expensive_draft_draft_little() -> None:
-    controller = DraftLengthController(MAX, 1)
-    chosen = feed(controller, 12, accept=0.0, draft_step_s=0.08)
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller)
+    chosen = feed(controller, rows, 12, accept=0.0, draft_step_s=0.08)
     assert max(chosen[2:]) <= 1
     assert 0 in chosen  # plain steps: drafting does not pay at all
-    assert controller.acceptance()[0] < 0.3
+    assert controller.acceptance(rows)[0] < 0.3
 
 
 def test_clamped_to_the_max_draft_and_the_tokens_still_needed() -> None:
-    controller = DraftLengthController(3, 1)
-    feed(controller, 6, accept=1.0, draft_step_s=0.001)
-    assert controller.choose([True], 100) == 3
-    assert controller.choose([True], 2) == 2
-    assert controller.choose([True], 0) == 0
+    controller = DraftLengthController(3)
+    rows = evidence(controller)
+    feed(controller, rows, 6, accept=1.0, draft_step_s=0.001)
+    assert controller.choose(rows, 100) == 3
+    assert controller.choose(rows, 2) == 2
+    assert controller.choose(rows, 0) == 0
 
 
 def test_never_stuck_at_plain_steps() -> None:
     """Even when drafting never pays, at least every PROBE_EVERY-th round drafts one token, so acceptance
     keeps being measured; and when acceptance recovers, drafting resumes."""
-    controller = DraftLengthController(MAX, 1)
-    chosen = feed(controller, 40, accept=0.0, draft_step_s=0.08)
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller)
+    chosen = feed(controller, rows, 40, accept=0.0, draft_step_s=0.08)
     for start in range(len(chosen) - PROBE_EVERY + 1):
         assert any(chosen[start : start + PROBE_EVERY]), chosen
     assert chosen.count(0) > len(chosen) // 2
-    assert max(feed(controller, 40, accept=1.0, draft_step_s=0.02)[-5:]) >= 2
+    assert max(feed(controller, rows, 40, accept=1.0, draft_step_s=0.02)[-5:]) >= 2
 
 
 def test_adapts_when_acceptance_changes() -> None:
     """Prose then code: long drafts while they are accepted, shorter and shorter ones once they start to
     fail (the evidence of the long accepted rounds fades at ``decay`` per drafted token) down to plain
     rounds with one-draft probes, long again after."""
-    controller = DraftLengthController(MAX, 1)
-    assert feed(controller, 15, accept=1.0, draft_step_s=0.02)[-1] == MAX
-    failing = feed(controller, 25, accept=0.0, draft_step_s=0.02)
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller)
+    assert feed(controller, rows, 15, accept=1.0, draft_step_s=0.02)[-1] == MAX
+    failing = feed(controller, rows, 25, accept=0.0, draft_step_s=0.02)
     falling = failing[: failing.index(0)]
     assert falling == sorted(falling, reverse=True) and failing[11] <= 3, failing
     assert max(failing[-8:]) <= 1 and 0 in failing[-8:], failing
-    assert feed(controller, 25, accept=1.0, draft_step_s=0.02)[-1] == MAX
+    assert feed(controller, rows, 25, accept=1.0, draft_step_s=0.02)[-1] == MAX
 
 
 def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
-    controller = DraftLengthController(MAX, 3, decay=0.5)
-    assert controller.acceptance() == pytest.approx([0.5] * 3)  # the prior: 1 success in 2 trials
-    controller.observe(4, [2, 4, 0], [True, True, True], 0.04, 0.1)
+    controller = DraftLengthController(MAX, decay=0.5)
+    rows = evidence(controller, 3)
+    assert controller.acceptance(rows) == pytest.approx([0.5] * 3)  # the prior: 1 success in 2 trials
+    controller.observe(4, [2, 4, 0], rows, 0.04, 0.1)
     # row 0: 2 accepted then a rejection (3 trials); row 1: 4 of 4, no rejection; row 2: rejected at once
-    assert controller.acceptance() == pytest.approx([3 / 5, 5 / 6, 1 / 3])
-    controller.observe(4, [4, 0, 0], [True, False, True], 0.04, 0.1)  # row 1 finished: not updated
+    assert controller.acceptance(rows) == pytest.approx([3 / 5, 5 / 6, 1 / 3])
+    controller.observe(4, [4, 0], [rows[0], rows[2]], 0.04, 0.1)  # row 1 finished: not updated
     # the evidence decays per drafted token: 0.5 ** 4 after a round of 4 drafts
     fade = 0.5**4
-    assert controller.acceptance() == pytest.approx([(1 + 2 * fade + 4) / (2 + 3 * fade + 4), 5 / 6, 1 / (3 + fade)])
+    expected = [(1 + 2 * fade + 4) / (2 + 3 * fade + 4), 5 / 6, 1 / (3 + fade)]
+    assert controller.acceptance(rows) == pytest.approx(expected)
 
 
 def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
     """p_ri counts the rounds that reached draft i and accepted it, with the row's pooled rate worth
     POSITION_SHRINK trials; drafts never reached take the pooled rate."""
-    controller = DraftLengthController(4, 1, decay=1.0)
-    controller.observe(3, [0], [True], 0.03, 0.1)  # the first draft rejected
-    controller.observe(3, [3], [True], 0.03, 0.1)  # all three accepted
+    controller = DraftLengthController(4, decay=1.0)
+    rows = evidence(controller)
+    controller.observe(3, [0], rows, 0.03, 0.1)  # the first draft rejected
+    controller.observe(3, [3], rows, 0.03, 0.1)  # all three accepted
     pooled = (1 + 3) / (2 + 4)
-    assert controller.acceptance()[0] == pytest.approx(pooled)
+    assert controller.acceptance(rows)[0] == pytest.approx(pooled)
     expected = [
         (POSITION_SHRINK * pooled + passed) / (POSITION_SHRINK + reached)
         for passed, reached in [(1, 2), (1, 1), (1, 1)]
     ]
-    assert controller.position_acceptance()[0] == pytest.approx(expected + [pooled])
+    assert controller.position_acceptance(rows)[0] == pytest.approx(expected + [pooled])
 
 
 def test_bursty_acceptance_drafts_longer_than_a_single_rate_would() -> None:
     """Half the rounds reject their first draft, the others accept every draft: one pooled per-token rate
     (about 0.8) makes long drafts look wasteful, but a draft that got past its first token is always
     accepted, and the controller sees it."""
-    controller = DraftLengthController(MAX, 1, decay=1.0)
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller)
     for n in range(20):
-        controller.observe(6, [0 if n % 2 else 6], [True], 6 * 0.02, 0.10 + 6 * 0.005)
-    controller.observe(2, [0], [True], 2 * 0.02, 0.11)  # a second length, so the verify slope is known
-    position = controller.position_acceptance()[0]
+        controller.observe(6, [0 if n % 2 else 6], rows, 6 * 0.02, 0.10 + 6 * 0.005)
+    controller.observe(2, [0], rows, 2 * 0.02, 0.11)  # a second length, so the verify slope is known
+    position = controller.position_acceptance(rows)[0]
     assert position[0] < 0.6 and position[1:6].min() > 0.9
-    p = controller.acceptance()[0]
-    time = controller.round_time()
+    p = controller.acceptance(rows)[0]
+    time = controller.round_time(1)
     single_rate = int(np.argmax([(1 - p ** (g + 1)) / (1 - p) / time[g] for g in range(MAX + 1)]))
-    assert controller.choose([True], 100) > single_rate
+    assert controller.choose(rows, 100) > single_rate
 
 
 def test_short_drafts_do_not_starve_the_estimate() -> None:
     """Evidence decays per drafted token, not per round: rounds of one draft keep as many drafts in view as
     rounds of eight, so the prior does not pull the estimate of a short-drafting row down."""
-    short, long = DraftLengthController(MAX, 1), DraftLengthController(MAX, 1)
+    short, long = DraftLengthController(MAX), DraftLengthController(MAX)
+    short_row, long_row = evidence(short), evidence(long)
     for _ in range(80):
-        short.observe(1, [1], [True], 0.01, 0.1)
+        short.observe(1, [1], short_row, 0.01, 0.1)
     for _ in range(10):
-        long.observe(8, [8], [True], 0.08, 0.1)
-    assert short.acceptance()[0] == pytest.approx(long.acceptance()[0], abs=0.01)
-    assert short.acceptance()[0] > 0.95
+        long.observe(8, [8], long_row, 0.08, 0.1)
+    assert short.acceptance(short_row)[0] == pytest.approx(long.acceptance(long_row)[0], abs=0.01)
+    assert short.acceptance(short_row)[0] > 0.95
 
 
 def test_cost_model_is_fitted_from_the_rounds() -> None:
-    controller = DraftLengthController(MAX, 1)
-    controller.observe(2, [2], [True], 0.02, 0.11)
-    controller.observe(2, [1], [True], 0.02, 0.11)
-    assert controller.verify_cost() == pytest.approx((0.11, 0.0))  # one draft length seen: no slope yet
-    assert controller.draft_cost() == pytest.approx((0.0, 0.01))  # and drafting all per token
-    controller.observe(6, [1], [True], 0.06, 0.13)
-    controller.observe(0, [0], [True], 0.0, 0.10)
-    assert controller.verify_cost() == pytest.approx((0.10, 0.005))
-    assert controller.draft_cost() == pytest.approx((0.0, 0.01))
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller)
+    controller.observe(2, [2], rows, 0.02, 0.11)
+    controller.observe(2, [1], rows, 0.02, 0.11)
+    assert controller.costs.verify_cost(1) == pytest.approx((0.11, 0.0))  # one draft length seen: no slope yet
+    assert controller.costs.draft_cost(1) == pytest.approx((0.0, 0.01))  # and drafting all per token
+    controller.observe(6, [1], rows, 0.06, 0.13)
+    controller.observe(0, [0], rows, 0.0, 0.10)
+    assert controller.costs.verify_cost(1) == pytest.approx((0.10, 0.005))
+    assert controller.costs.draft_cost(1) == pytest.approx((0.0, 0.01))
+
+
+def test_costs_are_fitted_per_number_of_rows_and_interpolated_between_them() -> None:
+    """A round over more rows costs more: each number of rows has its own lines; a number never observed takes
+    the line of the nearest observed ones, interpolated (extrapolated past them); a round whose verify pass
+    has more rows than draft pays the draft at its own rows and the verify at the pass's."""
+    controller = DraftLengthController(MAX)
+    costs = controller.costs
+    assert costs.verify_cost(3) == (0.0, 0.0) and costs.draft_cost(3) == (0.0, 0.0)  # nothing observed yet
+    for rows, (a, b) in {1: (0.10, 0.002), 4: (0.16, 0.008)}.items():
+        for gamma in (1, 3):
+            costs.add_verify(rows, gamma, a + b * gamma)
+            costs.add_draft(rows, gamma, 0.01 * rows * gamma)
+    assert costs.verify_cost(1) == pytest.approx((0.10, 0.002)) and costs.verify_cost(4) == pytest.approx((0.16, 0.008))
+    assert costs.verify_cost(2) == pytest.approx((0.12, 0.004))  # a third of the way from 1 row to 4
+    assert costs.verify_cost(8) == pytest.approx((0.24, 0.016))  # extrapolated past the largest count
+    assert costs.draft_cost(2) == pytest.approx((0.0, 0.02))
+    (d, c), (a, b) = costs.draft_cost(1), costs.verify_cost(4)
+    assert controller.round_time(1, pass_rows=4) == pytest.approx(
+        [a] + [d + g * (c + b) + a for g in range(1, MAX + 1)]
+    )
 
 
 def test_a_fixed_drafting_cost_per_round_is_separated_from_the_per_token_cost() -> None:
     """Feeding the draft what it lacks costs a round the same whatever it drafts: lumping it into the
     per-token cost would make long drafts look dearer than they are. Plain rounds do not pay it."""
-    controller = DraftLengthController(MAX, 1)
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller)
     for gamma in (1, 2, 4, 1, 2, 4):
-        controller.observe(gamma, [gamma], [True], 0.004 + 0.01 * gamma, 0.1 + 0.002 * gamma)
-    (d, c), (a, b) = controller.draft_cost(), controller.verify_cost()
+        controller.observe(gamma, [gamma], rows, 0.004 + 0.01 * gamma, 0.1 + 0.002 * gamma)
+    (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
     assert (d, c, a, b) == pytest.approx((0.004, 0.01, 0.1, 0.002))
-    assert controller.round_time() == pytest.approx([a] + [d + g * (c + b) + a for g in range(1, MAX + 1)])
+    assert controller.round_time(1) == pytest.approx([a] + [d + g * (c + b) + a for g in range(1, MAX + 1)])
 
 
 def test_choice_maximises_expected_tokens_per_second() -> None:
     """The choice is the argmax of sum_r (1 + p_r1 + p_r1 p_r2 + ...) / time(g), written out here."""
-    controller = DraftLengthController(MAX, 2)
-    feed(controller, 3, accept=0.5, draft_step_s=0.03, batch=2)
-    controller.observe(4, [4, 0], [True, True], 0.12, 0.12)  # the rows now differ
-    p = controller.position_acceptance()
-    time = controller.round_time()
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller, 2)
+    feed(controller, rows, 3, accept=0.5, draft_step_s=0.03)
+    controller.observe(4, [4, 0], rows, 0.12, 0.12)  # the rows now differ
+    p = controller.position_acceptance(rows)
 
-    def rate(rows: list[int], g: int) -> float:
-        return sum(1 + sum(np.prod(p[r, :j]) for j in range(1, g + 1)) for r in rows) / time[g]
+    def rate(picked: list[int], g: int) -> float:
+        time = controller.round_time(len(picked))
+        return sum(1 + sum(np.prod(p[r, :j]) for j in range(1, g + 1)) for r in picked) / time[g]
 
-    assert controller.choose([True, True], 100) == int(np.argmax([rate([0, 1], g) for g in range(MAX + 1)]))
-    assert controller.choose([True, False], 100) == int(np.argmax([rate([0], g) for g in range(MAX + 1)]))
+    assert controller.choose(rows, 100) == int(np.argmax([rate([0, 1], g) for g in range(MAX + 1)]))
+    assert controller.choose(rows[:1], 100) == int(np.argmax([rate([0], g) for g in range(MAX + 1)]))
 
 
 def test_confidence_is_calibrated_per_bin_on_the_drafts_the_verifier_judged() -> None:
     """Only judged drafts count (those after a rejection were never judged), binned by the draft's
     confidence; each bin's acceptance is shrunk to the bin's middle with CALIBRATION_SHRINK trials."""
-    controller = DraftLengthController(MAX, 2, decay=1.0)
+    controller = DraftLengthController(MAX, decay=1.0)
     confidence = np.array([[0.99, 0.2, 0.8, 0.8], [0.6, 0.95, 0.99, 0.1]])
-    controller.observe(4, [1, 4], [True, True], 0.04, 0.1, confidence)
+    controller.observe(4, [1, 4], evidence(controller, 2), 0.04, 0.1, confidence)
     # row 0: 0.99 accepted, 0.2 rejected, the rest never judged; row 1: all four judged and accepted
     bins = np.searchsorted(CONFIDENCE_BINS, [0.99, 0.2, 0.6, 0.95, 0.99, 0.1], side="right")
     judged, accepted = np.zeros(len(CONFIDENCE_BINS) + 1), np.zeros(len(CONFIDENCE_BINS) + 1)
@@ -213,52 +257,61 @@ def test_confidence_is_calibrated_per_bin_on_the_drafts_the_verifier_judged() ->
 def test_a_draft_reporting_confidence_is_asked_for_the_limit_and_prompt_lookup_for_gamma() -> None:
     """Once the draft reports its confidence, a drafting round asks for every draft it may use (the stop
     rule ends it); a draft without confidence gets the chosen length; plain rounds stay plain."""
-    with_confidence, without = DraftLengthController(MAX, 1), DraftLengthController(MAX, 1)
+    with_confidence, without = DraftLengthController(MAX), DraftLengthController(MAX)
+    confident_row, row = evidence(with_confidence), evidence(without)
     for _ in range(6):
-        with_confidence.observe(2, [1], [True], 0.02, 0.1 + 0.002 * 2, np.array([[0.9, 0.5]]))
-        without.observe(2, [1], [True], 0.02, 0.1 + 0.002 * 2)
-    without.observe(1, [1], [True], 0.01, 0.1 + 0.002)
-    with_confidence.observe(1, [1], [True], 0.01, 0.1 + 0.002, np.array([[0.9]]))
-    chosen = int(np.argmax(without.rates([True])))
+        with_confidence.observe(2, [1], confident_row, 0.02, 0.1 + 0.002 * 2, np.array([[0.9, 0.5]]))
+        without.observe(2, [1], row, 0.02, 0.1 + 0.002 * 2)
+    without.observe(1, [1], row, 0.01, 0.1 + 0.002)
+    with_confidence.observe(1, [1], confident_row, 0.01, 0.1 + 0.002, np.array([[0.9]]))
+    chosen = int(np.argmax(without.rates(row)))
     assert 1 <= chosen < MAX
-    assert without.choose([True], 100) == chosen
-    assert with_confidence.choose([True], 100) == MAX and with_confidence.choose([True], 5) == 5
-    hopeless = DraftLengthController(MAX, 1)
-    feed(hopeless, 12, accept=0.0, draft_step_s=0.08)
-    hopeless.observe(1, [0], [True], 0.08, 0.1, np.array([[0.9]]))
-    assert 0 in [hopeless.choose([True], 100) for _ in range(PROBE_EVERY)]
+    assert without.choose(row, 100) == chosen
+    assert with_confidence.choose(confident_row, 100) == MAX and with_confidence.choose(confident_row, 5) == 5
+    hopeless = DraftLengthController(MAX)
+    hopeless_row = evidence(hopeless)
+    feed(hopeless, hopeless_row, 12, accept=0.0, draft_step_s=0.08)
+    hopeless.observe(1, [0], hopeless_row, 0.08, 0.1, np.array([[0.9]]))
+    assert 0 in [hopeless.choose(hopeless_row, 100) for _ in range(PROBE_EVERY)]
 
 
 def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
     """The rule's threshold is the predicted best rate times the per-token cost c + b; after each draft
     token every row's chance of a fully accepted draft is multiplied by its bin's calibrated acceptance, and
     the round ends when the expected tokens of one more draft, sum_r S_r p_r, fall below the threshold."""
-    controller = DraftLengthController(MAX, 2, decay=1.0)
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller, 2)
     for gamma in (2, 4, 2, 4):
         confidence = np.tile([0.99, 0.99, 0.1, 0.1], (2, 1))[:, :gamma]
         times = 0.003 + 0.01 * gamma, 0.1 + 0.002 * gamma
-        controller.observe(gamma, [min(gamma, 2)] * 2, [True, True], *times, confidence)
-    rule = controller.stop_rule([True, True])
-    (_, c), (_, b) = controller.draft_cost(), controller.verify_cost()
-    assert rule.threshold == pytest.approx(controller.rates([True, True]).max() * (c + b))
-    calibrated, pooled = controller.calibrated_acceptance(), controller.acceptance()
+        controller.observe(gamma, [min(gamma, 2)] * 2, rows, *times, confidence)
+    slots, both = [0, 1], np.array([True, True])
+    rule = controller.stop_rule(slots, rows)
+    (_, c), (_, b) = controller.costs.draft_cost(2), controller.costs.verify_cost(2)
+    assert rule.threshold == pytest.approx(controller.rates(rows).max() * (c + b))
+    calibrated, pooled = controller.calibrated_acceptance(), controller.acceptance(rows)
     confident, unconfident = calibrated[-1], calibrated[0]
     assert confident > 0.9 > 0.5 > unconfident  # the 0.99 drafts were always accepted, the 0.1 ones never
-    assert not rule(torch.tensor([0.99, 0.99]))
+    assert not rule(torch.tensor([0.99, 0.99]), slots, both)
     assert rule.gain == pytest.approx(pooled * confident)
-    assert rule(torch.tensor([0.1, 0.1]))  # unconfident in both rows: another draft no longer pays
-    one_row = controller.stop_rule([True, False])  # a finished row adds nothing
-    one_row(torch.tensor([0.99, 0.99]))
+    assert rule(torch.tensor([0.1, 0.1]), slots, both)  # unconfident in both rows: another draft no longer pays
+    one_row = controller.stop_rule([0], rows[:1])  # a finished row adds nothing
+    one_row(torch.tensor([0.99, 0.99]), slots, both)
     assert one_row.gain == pytest.approx([pooled[0] * confident, 0.0])
+    stopped = controller.stop_rule(slots, rows)  # nor does a row that has stopped drafting
+    stopped(torch.tensor([0.99, 0.99]), slots, np.array([True, False]))
+    assert stopped.gain == pytest.approx([pooled[0] * confident, 0.0])
 
 
 def test_no_stop_before_the_first_round_was_timed() -> None:
-    rule = DraftLengthController(MAX, 1).stop_rule([True])
-    assert rule.threshold == 0 and not rule(torch.tensor([0.01]))
+    controller = DraftLengthController(MAX)
+    rule = controller.stop_rule([0], evidence(controller))
+    assert rule.threshold == 0 and not rule(torch.tensor([0.01]), [0], np.array([True]))
 
 
 def test_deterministic_given_its_observations() -> None:
-    runs = [feed(DraftLengthController(MAX, 1), 30, accept=0.6, draft_step_s=0.02) for _ in range(2)]
+    controllers = [DraftLengthController(MAX) for _ in range(2)]
+    runs = [feed(controller, evidence(controller), 30, accept=0.6, draft_step_s=0.02) for controller in controllers]
     assert runs[0] == runs[1]
 
 
@@ -282,12 +335,20 @@ def drafters(make_checkpoint) -> dict[str, ModelDrafter]:
 def propose(drafter: ModelDrafter, prompts: list[list[int]], num_tokens: int, threshold: float, params=None) -> int:
     """Drafted tokens of one round after ``prompts`` (the draft prefilled with all but their last token)."""
     params = params or SamplingParams()
-    lengths = torch.tensor([len(p) for p in prompts])
-    width = int(lengths.max())
-    drafter.begin(torch.tensor([p + [p[-1]] * (width - len(p)) for p in prompts]), lengths - 1)
-    sampler = BatchSampler([params] * len(prompts), torch.device("cpu"))
-    draft = drafter.propose(prompts, num_tokens, sampler, confidence_below(threshold))
+    slots = list(range(len(prompts)))
+    drafter.reserve(len(prompts))
+    for slot in slots:
+        drafter.admit(slot)
+    try:
+        drafter.prefill(slots, [p[:-1] for p in prompts])
+        sampler = BatchSampler([params] * len(prompts), torch.device("cpu"))
+        stop_rules = {MODEL: confidence_below(threshold)}
+        draft = drafter.propose(slots, prompts, [num_tokens] * len(prompts), sampler, stop_rules)
+    finally:
+        for slot in slots:
+            drafter.release(slot)
     assert draft.token_ids.shape[0] == len(prompts)
+    assert draft.num_drafts.tolist() == [draft.num_tokens] * len(prompts)
     if draft.probs is not None:
         assert draft.probs.shape[:2] == draft.token_ids.shape
     return draft.num_tokens
@@ -310,6 +371,7 @@ def test_early_stop_needs_every_row_to_be_unconfident(drafters) -> None:
     for prompt in candidates:
         logits = drafter.engine.prefill(torch.tensor([prompt]), torch.tensor([len(prompt)]))
         confidence.append(float(logits.softmax(-1).max()))
+    drafter.engine.release(0)  # the slot the drafter follows prompts in
     low, high = int(np.argmin(confidence)), int(np.argmax(confidence))
     assert confidence[high] > confidence[low]
     threshold = (confidence[low] + confidence[high]) / 2
@@ -343,12 +405,14 @@ def test_prompt_lookup_ignores_the_threshold(make_checkpoint) -> None:
     """A probability threshold cuts a model draft's rounds; prompt lookup's rounds, which have no probability
     to cut at, get no stop rule and draft the length auto chooses."""
     checkpoint = make_checkpoint(family="llama")
-    decoder = SpeculativeDecoder.from_pretrained(checkpoint, "ngram", draft_confidence_threshold=0.5)
-    schedule = DraftLengthController(MAX, 1)
-    assert decoder._stop_rule(schedule, LOOKUP, [True]) is None
-    rule = decoder._stop_rule(schedule, MODEL, [True])
-    assert rule(torch.tensor([0.4])) and not rule(torch.tensor([0.6]))
-    assert SpeculativeDecoder.from_pretrained(checkpoint, "ngram")._stop_rule(schedule, LOOKUP, [True]) is not None
+    scheduler = SpeculativeDecoder.from_pretrained(checkpoint, "ngram", draft_confidence_threshold=0.5).scheduler
+    schedule = DraftLengthController(MAX)
+    rows, slots, drafting = [schedule.evidence()], [0], np.array([True])
+    assert scheduler._stop_rule(schedule, LOOKUP, slots, rows, 1, []) is None
+    rule = scheduler._stop_rule(schedule, MODEL, slots, rows, 1, [])
+    assert rule(torch.tensor([0.4]), slots, drafting) and not rule(torch.tensor([0.6]), slots, drafting)
+    uncut = SpeculativeDecoder.from_pretrained(checkpoint, "ngram").scheduler
+    assert uncut._stop_rule(schedule, LOOKUP, slots, rows, 1, []) is not None
 
 
 def test_auto_reserves_the_engine_limit_in_the_context_check(make_checkpoint) -> None:

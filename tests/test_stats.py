@@ -27,3 +27,10 @@ def test_record_round_counts_positions() -> None:
     assert stats.mean_accepted_tokens == pytest.approx((5 + 3) / 3)
     assert stats.drafts_per_round == pytest.approx(7 / 3)
     assert stats.to_dict()["drafts_per_round"] == pytest.approx(7 / 3)
+
+
+def test_time_to_first_token_counts_the_queue() -> None:
+    stats = GenerationStats(queue_s=0.25, prefill_s=0.5, total_s=2.0, generated_tokens=4)
+    assert stats.time_to_first_token_s == pytest.approx(0.75)
+    assert stats.to_dict()["time_to_first_token_s"] == pytest.approx(0.75) and stats.to_dict()["queue_s"] == 0.25
+    assert stats.tokens_per_s == pytest.approx(2.0)  # queueing and prefill included

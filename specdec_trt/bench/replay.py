@@ -28,11 +28,11 @@ import numpy as np
 import torch
 
 from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
-from specdec_trt.drafting import MODEL, PromptLookupDrafter, StopRule
+from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, StopRule
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine
 from specdec_trt.sampling import BatchSampler, SamplingParams, sample_from
-from specdec_trt.schedule import DraftLengthController
+from specdec_trt.schedule import AcceptanceEvidence, DraftLengthController
 
 FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)  # the fixed draft lengths auto is compared with
 COST_CONTEXTS = (100, 500, 1000, 1500, 2000)  # cached tokens at which steps are timed
@@ -71,8 +71,10 @@ def lookup_proposer(drafter: PromptLookupDrafter) -> Proposer:
     """Prompt lookup's proposals, made by ``drafter`` itself (with its confidence and stop under auto)."""
 
     def propose(committed: np.ndarray, length: int, stop: StopRule | None) -> Proposal:
-        draft = drafter.propose([committed], length, None, stop)
-        return Proposal(draft.token_ids[0].numpy(), None if draft.confidence is None else draft.confidence[0].numpy())
+        draft = drafter.propose([0], [committed], [length], None, None if stop is None else {LOOKUP: stop})
+        drafted = int(draft.num_drafts[0])
+        confidence = None if draft.confidence is None else draft.confidence[0, :drafted].numpy()
+        return Proposal(draft.token_ids[0, :drafted].numpy(), confidence)
 
     return propose
 
@@ -123,17 +125,19 @@ def generation_seconds(
     the decoder's auto controllers choose (one per part, as in the decoder), each part given the
     controller's cost-aware stop rule."""
     controllers: dict[str, DraftLengthController] = {}
+    evidence: dict[str, AcceptanceEvidence] = {}  # the one row's, per part
 
     def propose(committed: np.ndarray, usable: int) -> tuple[str, Proposal]:
         part = part_of(committed)
         if k is not None:
             length = min(k, usable)
             return part, parts[part](committed, length, None) if length else Proposal(committed[:0])
-        controller = controllers.setdefault(part, DraftLengthController(max_draft, 1))
-        length = controller.choose([True], usable)
+        controller = controllers.setdefault(part, DraftLengthController(max_draft))
+        row = evidence.setdefault(part, controller.evidence())
+        length = controller.choose([row], usable)
         if not length:
             return part, Proposal(committed[:0])
-        return part, parts[part](committed, length, controller.stop_rule([True]))
+        return part, parts[part](committed, length, controller.stop_rule([0], [row]))
 
     total = 0.0
     for round_ in replay_rounds(prompt, output, propose):
@@ -141,7 +145,8 @@ def generation_seconds(
         if k is None:
             confidence = round_.proposal.confidence
             judged = None if confidence is None else confidence[None]
-            controllers[round_.part].observe(round_.drafted, [round_.accepted], [True], draft_s, verify_s, judged)
+            row = [evidence[round_.part]]
+            controllers[round_.part].observe(round_.drafted, [round_.accepted], row, draft_s, verify_s, judged)
         total += draft_s + verify_s
     return total
 
@@ -187,7 +192,7 @@ def stopped(proposal: Proposal, stop: StopRule | None) -> Proposal:
     if stop is None:
         return proposal
     for i, confidence in enumerate(proposal.confidence):
-        if stop(torch.tensor([confidence])):
+        if stop(torch.tensor([confidence]), [0], np.array([True])):
             return Proposal(proposal.tokens[: i + 1], proposal.confidence[: i + 1])
     return proposal
 
@@ -214,6 +219,17 @@ class ModelChains:
         return propose
 
 
+def fork(draft: OrtEngine, target: OrtEngine, lengths: Sequence[int]) -> None:
+    """Start a batch of ``len(lengths)`` rows on ``draft`` (the target's cache layout: a self-draft) from
+    slot 0 of ``target``: row r holds its first ``lengths[r]`` tokens, copied, with no prefill of its own."""
+    for slot in [s for s in range(draft.num_slots) if draft.occupied(s)]:
+        draft.release(slot)
+    draft.reserve(len(lengths))
+    for slot, length in enumerate(lengths):
+        draft.admit(slot)
+        draft.copy_from(target, slot, length, source_slot=0)
+
+
 def record_model_chains(
     target: OrtEngine, draft: OrtEngine, sequence: list[int], first: int, max_draft: int, rows: int = 4
 ) -> ModelChains:
@@ -230,7 +246,7 @@ def record_model_chains(
     for start in range(0, len(lengths), rows):
         chunk = lengths[start : start + rows]
         depths = [min(max_draft, end - length - 1) for length in chunk]
-        draft.fork_cache(target, [length - 1 for length in chunk])
+        fork(draft, target, [length - 1 for length in chunk])
         fed = torch.tensor([[sequence[length - 1]] for length in chunk])
         drafted, probability = [], []
         for _ in range(max(depths)):
@@ -282,7 +298,7 @@ class SampledChains:
             def ends(token: int, value: float) -> bool:
                 tokens.append(token)
                 confidence.append(value)
-                stops = stop is not None and stop(torch.tensor([value]))
+                stops = stop is not None and stop(torch.tensor([value]), [0], np.array([True]))
                 return stops or len(tokens) == length
 
             for depth in range(length):
@@ -332,7 +348,7 @@ def record_sampled_chains(
     for begin in range(0, len(lengths), rows):
         chunk = lengths[begin : begin + rows]
         depths = [min(max_draft, end - length - 1) for length in chunk]
-        draft.fork_cache(target, [length - 1 for length in chunk])
+        fork(draft, target, [length - 1 for length in chunk])
         fed = torch.tensor([[sequence[length - 1]] for length in chunk])
         per_depth = []
         for depth in range(max(depths)):
@@ -370,7 +386,7 @@ def sampled_continuation(
         if not prefilled:
             target.prefill(torch.tensor([sequence[:-1]]), torch.tensor([len(sequence) - 1]))
             prefilled = True
-        draft.fork_cache(target, [length - 1])
+        fork(draft, target, [length - 1])
         draft.forward(torch.tensor([sequence[length - 1 : length + depth]]))
         sampler = BatchSampler([replace(params, seed=(seed * 1_000_003 + length) * 64 + depth)])
         fed = torch.tensor([[token]])

@@ -30,5 +30,5 @@ def step_seconds_by_width(
             start = time.perf_counter()
             engine.forward(tokens)
             samples[width].append(time.perf_counter() - start)
-            engine.truncate(context)
+            engine.truncate_all(context)
     return {width: statistics.median(times) for width, times in samples.items()}

@@ -1,0 +1,261 @@
+"""Many requests at once on the default model: continuous batching with speculative decoding under load.
+
+Closed-loop clients at each concurrency send mixed code, chat and summarisation prompts (128 new tokens, EOS
+ignored so every method makes as many) to one ``SpeculativeDecoder`` (the default engines, lookup-first with
+the int4 self-draft), greedy and sampled. Per concurrency, the methods (plain decoding k=0, fixed k, auto)
+take turns, repeat after repeat, so drifting machine load hits all of them alike. For each it reports total
+output tokens/s, time to first token and inter-token latency p50/p99; beside them, the same requests served
+one after another. Then: a 1,500-token prompt admitted next to three streaming requests (their inter-token
+latency while it is prefilled in chunks), and the measured cost of a verify pass and a draft step against the
+number of rows. Everything is printed and written as JSON.
+
+    .venv/bin/python scripts/bench_serving.py --out results/bench_serving.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import click
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.environment import environment
+from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, percentiles, timed
+from specdec_trt.bench.suites import load_suite
+from specdec_trt.bench.timing import step_seconds
+from specdec_trt.cli_options import default_engines
+from specdec_trt.draft_spec import DraftSpec
+from specdec_trt.loading import open_engine_directory
+
+SUITES = ("code", "chat", "summarisation")
+LONG_PROMPT_TOKENS = 1500
+
+
+def parse_methods(text: str) -> list:
+    return [item if item == "auto" else int(item) for item in text.split(",")]
+
+
+@click.command()
+@click.option(
+    "--engines", type=click.Path(exists=True, file_okay=False, path_type=Path), help="[default: the default engines]"
+)
+@click.option("--concurrency", default="1,2,4,8", show_default=True, help="Closed-loop clients, comma-separated.")
+@click.option("--methods", default="0,2,4,auto", show_default=True, help="Draft lengths to compare (0: plain).")
+@click.option("--temperatures", default="0,0.8", show_default=True)
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--requests-per-client", default=2, show_default=True, help="Requests per client (at least 4 in all).")
+@click.option("--repeats", default=2, show_default=True, help="Turns of every method per setting.")
+@click.option("--max-batch-size", default=8, show_default=True, help="Slots of the scheduler.")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench_serving.json"), show_default=True)
+def main(
+    engines: Path | None,
+    concurrency: str,
+    methods: str,
+    temperatures: str,
+    max_new_tokens: int,
+    requests_per_client: int,
+    repeats: int,
+    max_batch_size: int,
+    out: Path,
+) -> None:
+    """Serve closed-loop clients at several concurrencies with plain, fixed and auto draft lengths."""
+    console = Console(stderr=True)
+    directory = engines or default_engines(console)
+    decoder = decoder_for(directory, max_batch_size)
+    prompts = mixed_prompts(decoder)
+    levels = [int(c) for c in concurrency.split(",")]
+    gammas = parse_methods(methods)
+    data: dict = {
+        "command": "scripts/bench_serving.py",
+        "environment": environment("cpu", torch.get_num_threads()),
+        "settings": {"max_new_tokens": max_new_tokens, "max_batch_size": max_batch_size, "repeats": repeats},
+        "load": [],
+    }
+    for temperature in (float(t) for t in temperatures.split(",")):
+        for level in levels:
+            count = max(4, level * requests_per_client)
+            batch = [request(prompts, i, temperature, max_new_tokens) for i in range(count)]
+            runs: dict = {str(k): [] for k in gammas}
+            serial: dict = {str(k): [] for k in gammas}
+            for _ in range(repeats):
+                for k in gammas:
+                    console.print(f"t={temperature} concurrency {level} k={k}")
+                    runs[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, level)))
+                    if level == 4:  # the same requests, one after another, as a decoder without batching serves them
+                        serial[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, 1)))
+            row = {"temperature": temperature, "concurrency": level, "methods": best_of(runs)}
+            if level == 4:
+                row["serial"] = best_of(serial)
+            data["load"].append(row)
+            write(out, data)
+    data["long_prompt"] = long_prompt_interference(decoder, prompts, max_new_tokens)
+    write(out, data)
+    data["round_cost"] = round_costs(directory, max_batch_size)
+    data["fitted"] = fitted_lines(decoder)
+    write(out, data)
+    print_tables(data, gammas)
+    console.print(f"Wrote {out}")
+
+
+def decoder_for(directory: Path, max_batch_size: int) -> SpeculativeDecoder:
+    loaded = open_engine_directory(directory, [DraftSpec.parse("ngram+engine")])
+    return SpeculativeDecoder.from_loaded(loaded, max_batch_size=max_batch_size)
+
+
+def mixed_prompts(decoder: SpeculativeDecoder) -> list[list[int]]:
+    """The suites' prompts as token ids, interleaved code, chat, summarisation, ..."""
+    suites = [load_suite(name).prompts for name in SUITES]
+    encoded = []
+    for group in zip(*suites):
+        for prompt in group:
+            text = decoder.apply_chat_template(prompt.prompt) if prompt.chat else prompt.prompt
+            encoded.append(decoder.tokenize(text))
+    return encoded
+
+
+def request(prompts: list[list[int]], index: int, temperature: float, max_new_tokens: int) -> tuple:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=index, ignore_eos=True)
+    return prompts[index % len(prompts)], params
+
+
+def sender(decoder: SpeculativeDecoder, k):
+    def send(item: tuple) -> RequestTiming:
+        prompt, params = item
+        stream = decoder.stream(prompt, params, k)
+        timing, _ = timed(stream)
+        timing.tokens = stream.output.stats.generated_tokens
+        return timing
+
+    return send
+
+
+def best_of(runs: dict) -> dict:
+    """Per method, the repeat with the median tokens/s (all repeats kept under "repeats")."""
+    summary = {}
+    for k, repeats in runs.items():
+        rates = [r["tokens_per_s"] for r in repeats]
+        median = sorted(repeats, key=lambda r: r["tokens_per_s"])[len(repeats) // 2]
+        summary[k] = {**median, "tokens_per_s_median": statistics.median(rates), "repeats": repeats}
+    return summary
+
+
+def long_prompt_interference(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Three greedy streams with auto; once they decode, a 1,500-token prompt arrives. Their inter-token
+    latency over the whole run, and while that prompt was being prefilled (submission to its first piece)."""
+    params = SamplingParams(max_new_tokens=2 * max_new_tokens, ignore_eos=True)
+    timings: list[RequestTiming] = []
+    decoding = threading.Barrier(4)  # the three readers have their first piece, and the long prompt may come
+
+    def read(prompt: list[int]) -> None:
+        pieces = iter(decoder.stream(prompt, params, "auto"))
+        timing = RequestTiming(time.perf_counter())
+        first = True
+        for _ in pieces:
+            timing.arrivals.append(time.perf_counter())
+            if first:
+                decoding.wait()
+                first = False
+        timings.append(timing)
+
+    readers = [threading.Thread(target=read, args=(prompts[i],)) for i in range(3)]
+    for reader in readers:
+        reader.start()
+    decoding.wait()
+    long = [t for p in prompts for t in p][:LONG_PROMPT_TOKENS]
+    arriving = decoder.stream(long, SamplingParams(max_new_tokens=16, ignore_eos=True), "auto")
+    arrival, _ = timed(arriving)
+    for reader in readers:
+        reader.join()
+    window = (arrival.sent, arrival.arrivals[0])
+    gaps = [b - a for t in timings for a, b in zip(t.arrivals, t.arrivals[1:])]
+    during = [b - a for t in timings for a, b in zip(t.arrivals, t.arrivals[1:]) if window[0] <= b <= window[1] + 1e-3]
+    whole, inside = percentiles(gaps), percentiles(during)
+    return {
+        "prompt_tokens": len(long),
+        "prefill_s": round(window[1] - window[0], 3),
+        "itl_all": whole,
+        "itl_during_prefill": inside,
+        "gaps_during_prefill": len(during),
+        "p99_over_median": round(max(whole["p99_ms"], inside["p99_ms"] or 0) / whole["p50_ms"], 2),
+    }
+
+
+def round_costs(directory: Path, rows_up_to: int) -> list[dict]:
+    """Seconds of the target's verify pass (1 and 5 new tokens a row) and of the self-draft's step, against
+    the number of rows, after 200 cached tokens each."""
+    loaded = open_engine_directory(directory, [DraftSpec.parse("engine")])
+    target, draft = loaded.target, loaded.only_drafter().engine
+    table = []
+    for rows in range(1, rows_up_to + 1):
+        table.append(
+            {
+                "rows": rows,
+                "verify_1_ms": round(1e3 * step_seconds(target, 200, 1, repeats=5, rows=rows), 2),
+                "verify_5_ms": round(1e3 * step_seconds(target, 200, 5, repeats=5, rows=rows), 2),
+                "draft_step_ms": round(1e3 * step_seconds(draft, 200, 1, repeats=5, rows=rows), 2),
+            }
+        )
+    return table
+
+
+def fitted_lines(decoder: SpeculativeDecoder) -> dict:
+    """The cost lines auto fitted online, per kind of draft and number of rows."""
+    fitted = {}
+    for part, controller in decoder.scheduler.controllers.items():
+        fitted[part] = {
+            "verify": {n: [round(c, 5) for c in line.coefficients()] for n, line in controller.costs.verifying.items()},
+            "draft": {n: [round(c, 5) for c in line.coefficients()] for n, line in controller.costs.drafting.items()},
+        }
+    return fitted
+
+
+def write(out: Path, data: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+
+
+def print_tables(data: dict, gammas: list) -> None:
+    console = Console()
+    for temperature in sorted({row["temperature"] for row in data["load"]}):
+        table = Table(title=f"total output tokens/s (TTFT p50 / ITL p50 / ITL p99 ms), t={temperature}")
+        table.add_column("concurrency")
+        for k in gammas:
+            table.add_column("plain" if k == 0 else f"k={k}")
+        table.add_column("auto / best other")
+        for row in (r for r in data["load"] if r["temperature"] == temperature):
+            cells, rates = [], {}
+            for k in gammas:
+                m = row["methods"][str(k)]
+                rates[str(k)] = m["tokens_per_s_median"]
+                latencies = f"{m['ttft']['p50_ms']:.0f}/{m['itl']['p50_ms']:.0f}/{m['itl']['p99_ms']:.0f}"
+                cells.append(f"{m['tokens_per_s_median']:.1f} ({latencies})")
+            others = [v for k, v in rates.items() if k != "auto"]
+            ratio = f"{rates['auto'] / max(others):.3f}" if "auto" in rates and others else "-"
+            table.add_row(str(row["concurrency"]), *cells, ratio)
+        console.print(table)
+        for row in (r for r in data["load"] if r["temperature"] == temperature and "serial" in r):
+            for k in gammas:
+                batched, serial = (
+                    row["methods"][str(k)]["tokens_per_s_median"],
+                    row["serial"][str(k)]["tokens_per_s_median"],
+                )
+                ratio = batched / serial
+                console.print(f"concurrency 4, k={k}: {batched:.1f} tok/s; one at a time {serial:.1f} ({ratio:.2f}x)")
+    console.print(f"long prompt: {data['long_prompt']}")
+    cost = Table(title="cost of a round's parts against rows (ms)")
+    for name in ("rows", "verify_1_ms", "verify_5_ms", "draft_step_ms"):
+        cost.add_column(name)
+    for row in data["round_cost"]:
+        cost.add_row(*(str(row[name]) for name in ("rows", "verify_1_ms", "verify_5_ms", "draft_step_ms")))
+    console.print(cost)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Load generation for serving benchmarks: closed-loop clients, and the latency figures of what they saw.
+
+A client sends a request, reads its stream to the end, and sends the next; ``concurrency`` clients do so at
+once until the requests run out. Each request records when it was sent, when each streamed piece arrived and
+how many tokens it produced, so time to first token, inter-token latency (the gap between successive
+pieces, as vLLM's serving benchmark counts it) and end-to-end latency come from the client's side.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestTiming:
+    """What one client saw of one request."""
+
+    sent: float
+    arrivals: list[float] = field(default_factory=list)  # when each streamed piece arrived
+    tokens: int = 0  # tokens the request produced (from its usage or stats, not from the pieces)
+    ok: bool = True
+
+    @property
+    def ttft(self) -> float:
+        return self.arrivals[0] - self.sent
+
+    @property
+    def gaps(self) -> list[float]:
+        return list(np.diff(self.arrivals))
+
+    @property
+    def latency(self) -> float:
+        return self.arrivals[-1] - self.sent
+
+
+def timed(pieces: Iterable[object]) -> tuple[RequestTiming, list[object]]:
+    """Read a stream to its end, stamping each piece's arrival; the timing starts now."""
+    timing = RequestTiming(time.perf_counter())
+    received = []
+    for piece in pieces:
+        timing.arrivals.append(time.perf_counter())
+        received.append(piece)
+    return timing, received
+
+
+def closed_loop(
+    send: Callable[[object], RequestTiming], requests: Sequence[object], concurrency: int
+) -> tuple[list[RequestTiming], float]:
+    """Serve ``requests`` with ``concurrency`` closed-loop clients calling ``send``; the timings (in request
+    order) and the wall-clock seconds from the first send to the last answer."""
+    results: list[RequestTiming | None] = [None] * len(requests)
+    pending: Iterator[int] = iter(range(len(requests)))
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def client() -> None:
+        while True:
+            with lock:
+                index = next(pending, None)
+            if index is None:
+                return
+            try:
+                results[index] = send(requests[index])
+            except BaseException as error:  # noqa: BLE001 - reported after the clients stop
+                errors.append(error)
+                return
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return [r for r in results if r is not None], wall
+
+
+def percentiles(values: Sequence[float]) -> dict[str, float | None]:
+    """p50 and p99 in milliseconds (None without values)."""
+    if not len(values):
+        return {"p50_ms": None, "p99_ms": None}
+    p50, p99 = np.percentile(np.asarray(values, dtype=float), [50, 99])
+    return {"p50_ms": round(1e3 * float(p50), 2), "p99_ms": round(1e3 * float(p99), 2)}
+
+
+def load_summary(timings: Sequence[RequestTiming], wall: float) -> dict:
+    """Total output tokens per second over the wall time, and time to first token, inter-token and
+    end-to-end latency percentiles over the requests that completed."""
+    done = [t for t in timings if t.ok and t.arrivals]
+    tokens = sum(t.tokens for t in done)
+    return {
+        "requests": len(timings),
+        "completed": len(done),
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+        "ttft": percentiles([t.ttft for t in done]),
+        "itl": percentiles([gap for t in done for gap in t.gaps]),
+        "e2e": percentiles([t.latency for t in done]),
+    }

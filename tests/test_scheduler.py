@@ -1,0 +1,310 @@
+"""Continuous batching (``specdec_trt.scheduler``): requests join a running batch and leave it at once, on both
+engines. A request's greedy output never depends on what it shares the batch with; sampled output keeps the
+target's exact distribution; a cancelled, refused or failed request touches no other; a long prompt is
+prefilled in chunks between the running requests' rounds; any number of threads may call one decoder."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_losslessness import (
+    DEPTH,
+    PROMPT,
+    REJECT_P,
+    VOCAB,
+    WARPINGS,
+    chi_square_p,
+    exact_joint,
+    no_residual,
+    steady_clock,  # noqa: F401 - a fixture
+)
+from transformers import AutoModelForCausalLM
+
+import specdec_trt.rejection
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.build import BuildRequest, build
+from specdec_trt.draft_spec import DraftSpec
+from specdec_trt.drafting import ModelDrafter
+from specdec_trt.loading import load_engines, open_engine_directory
+from specdec_trt.runtime.engine import ContextOverflowError
+from specdec_trt.sampling import BatchSampler
+from specdec_trt.scheduler import AUTO, GenerationError, QueueFullError, SchedulerClosedError
+
+SIZE = {"hidden_size": 64, "head_dim": 16}  # exportable to ONNX
+GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
+PROMPTS = ["the cat sat on the mat", "hello there", "abc abc abc abc", "a long way", "quiet", "one two one two"]
+LENGTHS = [24, 6, 15, 30, 3, 11]  # requests of mixed lengths finish, and free their slots, at different rounds
+DRAFT_LENGTHS = [0, 2, AUTO, 5, 1, AUTO]
+PASS_P = 1e-3
+
+
+@pytest.fixture(scope="module")
+def checkpoints(make_checkpoint) -> tuple[Path, Path]:
+    target = {"family": "llama", **SIZE}
+    return make_checkpoint(**target), make_checkpoint(draft_of=(target, 0.1), seed=5, **SIZE)
+
+
+@pytest.fixture(scope="module")
+def engine_dir(checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sched") / "engines"
+    build(BuildRequest(out=out, target=checkpoints[0], draft=checkpoints[1], max_draft_len=8, max_context=128))
+    return out
+
+
+@pytest.fixture(params=["pytorch", "onnxruntime"])
+def make_decoder(request, checkpoints, engine_dir):
+    """A factory of decoders with a model draft on one engine, taking the scheduler's settings."""
+
+    def make(**settings) -> SpeculativeDecoder:
+        if request.param == "pytorch":
+            loaded, _, _ = load_engines(*checkpoints, max_context=128)
+        else:
+            loaded = open_engine_directory(engine_dir, [DraftSpec.parse("engine")])
+        drafter = loaded.only_drafter()
+        return SpeculativeDecoder(loaded.target, drafter, loaded.tokenizer, loaded.eos_token_ids, **settings)
+
+    return make
+
+
+def solo(decoder: SpeculativeDecoder, prompt: str, params: SamplingParams, k) -> list[int]:
+    return decoder.generate(prompt, params, num_draft_tokens=k).token_ids
+
+
+def requests() -> list[tuple[str, SamplingParams, object]]:
+    return [
+        (prompt, dataclasses.replace(GREEDY, max_new_tokens=n), k)
+        for prompt, n, k in zip(PROMPTS, LENGTHS, DRAFT_LENGTHS)
+    ]
+
+
+def test_greedy_output_does_not_depend_on_the_batch(make_decoder) -> None:
+    """Six requests of mixed lengths and draft lengths (fixed, 0 and auto) through two slots, so that each
+    joins the batch when another leaves it, mid-generation; then the same requests submitted from threads
+    as earlier ones stream. Each gives exactly the tokens it gives alone."""
+    decoder = make_decoder(max_batch_size=2)
+    alone = [solo(decoder, prompt, params, k) for prompt, params, k in requests()]
+    handles = [decoder.submit(prompt, params, k) for prompt, params, k in requests()]
+    assert [h.result().token_ids for h in handles] == alone
+    decoder.scheduler.max_batch_size = 4
+    handles = []
+    for prompt, params, k in requests():
+        handles.append(decoder.submit(prompt, params, k))
+        next(iter(handles[-1]), None)  # the next request arrives once this one is decoding
+    assert [h.result().token_ids for h in handles] == alone
+
+
+def test_a_finished_request_leaves_the_batch_at_once(make_decoder) -> None:
+    decoder = make_decoder()
+    decoder.scheduler.events = []
+    params = [dataclasses.replace(GREEDY, max_new_tokens=n) for n in (2, 12)]
+    short, long = decoder.submit_batch(["hi", "hello there"], params, 2)
+    long.result()
+    rounds = [request for kind, request in decoder.scheduler.events if kind == "round"]
+    last_short = max(i for i, r in enumerate(rounds) if r == short.request_id)
+    assert short.result().finish_reason == "length"
+    assert rounds[last_short + 1 :] and set(rounds[last_short + 1 :]) == {long.request_id}
+    assert decoder.target.lengths.sum() == 0  # every slot released
+
+
+@pytest.mark.usefixtures("steady_clock")
+def test_seeded_sampling_repeats_with_the_same_schedule(make_decoder) -> None:
+    """The same seeds and the same submissions give the same tokens, run after run. Fixed draft lengths need
+    nothing more; auto's draft lengths follow measured times, which the steady clock makes repeatable (on a
+    real clock auto's sampled output is the same in distribution, not token for token)."""
+    sampled = [
+        (prompt, dataclasses.replace(params, temperature=0.9, top_p=0.9, seed=seed), k)
+        for seed, (prompt, params, k) in enumerate(requests())
+    ]
+    runs = []
+    for _ in range(2):
+        decoder = make_decoder(max_batch_size=3)
+        prompts, params, lengths = zip(*sampled)
+        runs.append([h.result().token_ids for h in decoder.submit_batch(prompts, params, lengths)])
+    assert runs[0] == runs[1]
+    assert len({tuple(tokens) for tokens in runs[0]}) == len(sampled)
+
+
+def test_cancelling_frees_the_slot_and_leaves_the_others_alone(make_decoder) -> None:
+    decoder = make_decoder(max_batch_size=2)
+    long = dataclasses.replace(GREEDY, max_new_tokens=60)
+    expected = [solo(decoder, "hello there", GREEDY, 2), solo(decoder, "quiet", GREEDY, AUTO)]
+    doomed = decoder.stream("the cat sat on the mat", long, 3)
+    other = decoder.submit("hello there", GREEDY, 2)
+    waiting = decoder.submit("quiet", GREEDY, AUTO)  # no slot until one is freed
+    pieces = iter(doomed)
+    first = next(pieces)
+    doomed.cancel()
+    rest = list(pieces)
+    assert doomed.output.finish_reason == "cancelled" and len(doomed.output.token_ids) < 60
+    assert first + "".join(rest) == doomed.output.text
+    assert [other.result().token_ids, waiting.result().token_ids] == expected
+
+
+def test_a_bad_request_is_refused_at_submit_and_the_rest_go_on(make_decoder) -> None:
+    decoder = make_decoder()
+    running = decoder.submit("hello there", GREEDY, 2)
+    with pytest.raises(ContextOverflowError, match="max context"):
+        decoder.submit("x" * 200, GREEDY, 2)
+    with pytest.raises(ValueError, match="invalid sampling parameters"):
+        decoder.submit("hello", SamplingParams(max_new_tokens=0))
+    assert running.result().token_ids == solo(decoder, "hello there", GREEDY, 2)
+
+
+def test_a_full_queue_is_a_clear_error(make_decoder) -> None:
+    decoder = make_decoder(max_batch_size=1, max_queue=1)
+    running = decoder.submit("the cat sat on the mat", dataclasses.replace(GREEDY, max_new_tokens=60), 2)
+    next(iter(running))  # it holds the only slot
+    waiting = decoder.submit("hello there", GREEDY, 2)
+    with pytest.raises(QueueFullError, match="the most this server queues is 1"):
+        decoder.submit("quiet", GREEDY, 2)
+    running.cancel()
+    assert waiting.result().token_ids == solo(decoder, "hello there", GREEDY, 2)
+
+
+def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_decoder) -> None:
+    """With a prefill chunk of 8 tokens, a 102-token prompt takes 13 chunks; the two requests already decoding
+    get a round after every one of them (the order of events, not their timing)."""
+    decoder = make_decoder(prefill_chunk=8)
+    decoder.scheduler.events = events = []
+    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), 2)
+    for handle in runners:
+        next(iter(handle))
+    prompt = "the cat sat on the mat, " * 4 + "and on"
+    assert len(decoder.tokenize(prompt)) == 102
+    arriving = decoder.submit(prompt, GREEDY, 2)
+    arriving.result()
+    prefills = [i for i, (kind, r) in enumerate(events) if kind == "prefill" and r == arriving.request_id]
+    assert len(prefills) == 13
+    for before, after in zip(prefills, prefills[1:]):
+        between = {r for kind, r in events[before:after] if kind == "round"}
+        assert {h.request_id for h in runners} <= between, f"no round between chunks at events {before}-{after}"
+    for handle in runners:
+        handle.cancel()
+
+
+def test_a_paused_stream_is_not_disturbed_by_another_call(make_decoder) -> None:
+    decoder = make_decoder()
+    expected = decoder.generate("the cat sat on the mat", GREEDY, 3).text
+    other_expected = solo(decoder, "hello there", GREEDY, AUTO)
+    stream = iter(decoder.stream("the cat sat on the mat", GREEDY, 3))
+    first = next(stream)
+    assert solo(decoder, "hello there", GREEDY, AUTO) == other_expected
+    assert first + "".join(stream) == expected
+
+
+def test_threads_share_one_decoder(make_decoder) -> None:
+    decoder = make_decoder(max_batch_size=3)
+    alone = [solo(decoder, prompt, params, k) for prompt, params, k in requests()]
+    with ThreadPoolExecutor(4) as pool:
+        outputs = list(pool.map(lambda r: solo(decoder, *r), requests()))
+    assert outputs == alone
+
+
+def test_async_iteration(make_decoder) -> None:
+    decoder = make_decoder()
+
+    async def collect() -> str:
+        return "".join([piece async for piece in decoder.submit("hello there", GREEDY, 2)])
+
+    assert asyncio.run(collect()) == decoder.generate("hello there", GREEDY, 2).text
+
+
+def test_an_engine_error_ends_every_request_and_says_so(make_decoder, monkeypatch: pytest.MonkeyPatch) -> None:
+    decoder = make_decoder()
+    decoder.generate("hi", GREEDY, 2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell off the bus")
+
+    monkeypatch.setattr(decoder.target, "step", broken)
+    handles = decoder.submit_batch(["hello", "there"], GREEDY, 2)
+    for handle in handles:
+        with pytest.raises(GenerationError, match="fell off the bus"):
+            handle.result(timeout=60)
+        assert handle.output.finish_reason == "error"
+    with pytest.raises(SchedulerClosedError, match="restart it"):
+        decoder.submit("hello", GREEDY)
+
+
+def test_the_draft_catches_up_after_rounds_it_did_not_draft(checkpoints) -> None:
+    """A model draft that sat out rounds (plain steps, or rounds drafted by prompt lookup) is fed what it
+    missed when it next drafts: its proposals are those of a draft that saw every token."""
+    loaded, _, drafter = load_engines(*checkpoints, max_context=128)
+    fresh = ModelDrafter(load_engines(*checkpoints, max_context=128)[2].engine)
+    sampler = BatchSampler([GREEDY])
+    prompt, later = [5, 6, 7, 8, 9], [10, 11, 12, 13, 14, 15, 16]
+    for model, seen in ((drafter, prompt), (fresh, prompt + later)):
+        model.reserve(1)
+        model.admit(0)
+        model.prefill([0], [seen[:-1]])
+    drafter.propose([0], [prompt], [3], sampler)  # one round, then seven tokens committed without it
+    caught_up = drafter.propose([0], [prompt + later], [4], sampler)
+    assert caught_up.token_ids.tolist() == fresh.propose([0], [prompt + later], [4], sampler).token_ids.tolist()
+
+
+# --- the exact distribution, with requests joining and leaving -------------------------------------------
+
+RUNS = 12_000
+
+
+@pytest.fixture(scope="module")
+def lossless_models(make_checkpoint) -> tuple[tuple[Path, Path], torch.nn.Module]:
+    target = make_checkpoint(with_tokenizer=False, vocab_size=VOCAB, seed=11, logit_scale=1.5)
+    draft = make_checkpoint(with_tokenizer=False, vocab_size=VOCAB, seed=12, logit_scale=1.5)
+    return (target, draft), AutoModelForCausalLM.from_pretrained(target).eval()
+
+
+def shared_batch_counts(decoder: SpeculativeDecoder, params: SamplingParams) -> np.ndarray:
+    """Counts of the first DEPTH tokens of RUNS measured requests that flow through 96 slots with other
+    requests (other prompts, lengths and draft lengths) joining and leaving around them."""
+    noise_rng = np.random.default_rng(0)
+    measured, handles = [], []
+    for start in range(0, RUNS, 500):
+        seeds = range(start, start + 500)
+        batch = [dataclasses.replace(params, seed=s, max_new_tokens=DEPTH, ignore_eos=True) for s in seeds]
+        measured += decoder.submit_batch([PROMPT] * len(batch), batch, num_draft_tokens=3)
+        for k in (0, 1, 5):
+            lengths = noise_rng.integers(1, 9, size=20)
+            noise = [dataclasses.replace(params, seed=None, max_new_tokens=int(n), ignore_eos=True) for n in lengths]
+            prompts = [noise_rng.integers(0, VOCAB, size=int(noise_rng.integers(2, 7))).tolist() for _ in noise]
+            handles += decoder.submit_batch(prompts, noise, num_draft_tokens=k)
+    outputs = [h.result() for h in measured]
+    for handle in handles:
+        handle.result()
+    codes = [int(np.ravel_multi_index(out.token_ids[:DEPTH], (VOCAB,) * DEPTH)) for out in outputs]
+    return np.bincount(codes, minlength=VOCAB**DEPTH)
+
+
+def test_sampled_output_keeps_the_exact_distribution_in_a_changing_batch(lossless_models, monkeypatch) -> None:
+    """The chi-square test of the core (DESIGN.md) on requests that share the batch with others that join
+    and leave; the same run with the residual distribution broken is rejected."""
+    (target, draft), reference = lossless_models
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, max_context=24, max_batch_size=96)
+    params = WARPINGS["combined"]
+    probs = exact_joint(reference, params)
+    assert chi_square_p(shared_batch_counts(decoder, params), probs) > PASS_P
+    monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
+    assert chi_square_p(shared_batch_counts(decoder, params), probs) < REJECT_P
+
+
+def test_many_concurrent_streams_through_few_slots(make_decoder) -> None:
+    """Sixteen streaming callers on four slots, from sixteen threads: each gets its solo text."""
+    decoder = make_decoder(max_batch_size=4)
+    prompts = [f"{word} {word}" for word in "abcdefghijklmnop"]
+    alone = [decoder.generate(p, GREEDY, k).text for p, k in zip(prompts, [2, AUTO, 0, 4] * 4)]
+    barrier = threading.Barrier(16)
+
+    def stream(args) -> str:
+        barrier.wait()
+        return "".join(decoder.stream(*args))
+
+    with ThreadPoolExecutor(16) as pool:
+        texts = list(pool.map(stream, [(p, GREEDY, k) for p, k in zip(prompts, [2, AUTO, 0, 4] * 4)]))
+    assert texts == alone
