@@ -381,7 +381,10 @@ class Scheduler:
     def _free_slots(self, count: int) -> list[int]:
         """The lowest ``count`` slots free in the target and the drafter (a slot that a direct use of the engines
         left occupied is skipped); the engines' caches grow, up to ``max_batch_size`` where they can, when
-        too few are free."""
+        too few are free. The drafter is grown to the target's slots first: another scheduler sharing the
+        target may have grown it alone."""
+        if self.drafter is not None:
+            self.drafter.reserve(self.target.num_slots)
         while True:
             free = [
                 slot
