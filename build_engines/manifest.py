@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, get_origin, get_type_hints
 
 SCHEMA_VERSION = 2  # 2: the graphs take query_seqlens (a batched multi-token pass)
 MANIFEST_NAME = "manifest.json"
 _REBUILD = "rebuild the engines with specdec-build"
+DRAFT_KINDS = ("int4", "model", "none")
+ENGINE_DTYPES = ("float32", "float16")
 
 
 class EngineDirectoryError(ValueError):
@@ -64,6 +66,10 @@ class Manifest:
         return json.dumps(body, indent=2, sort_keys=True)
 
 
+# Each ModelEntry field's JSON type, to check manifests whose checksum was recomputed after an edit.
+_ENTRY_TYPES = {name: get_origin(hint) or hint for name, hint in get_type_hints(ModelEntry).items()}
+
+
 def file_digest(path: Path) -> str:
     """sha256 of a file, read in chunks."""
     digest = hashlib.sha256()
@@ -87,15 +93,6 @@ def write_manifest(
     return manifest
 
 
-def schema_version_of(directory: Path) -> int | None:
-    """The schema version ``directory``'s manifest declares, or None when it has no readable manifest."""
-    try:
-        body = json.loads((Path(directory) / MANIFEST_NAME).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    return body.get("schema_version") if isinstance(body, dict) else None
-
-
 def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
     """Parse and check an engine directory's manifest (and, by default, every file's size and sha256)."""
     path = Path(directory) / MANIFEST_NAME
@@ -104,7 +101,9 @@ def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
             f"{path} is missing: {directory} is not an engine directory; build one with specdec-build"
         )
     try:
-        body = json.loads(path.read_text())
+        body = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise EngineDirectoryError(f"{path} is not UTF-8 text (byte offset {err.start}): {_REBUILD}") from None
     except json.JSONDecodeError as err:
         raise EngineDirectoryError(f"{path} is not valid JSON ({err}): {_REBUILD}") from err
     if not isinstance(body, dict):
@@ -116,6 +115,9 @@ def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
         )
     if body.pop("checksum", None) != _checksum(body):
         raise EngineDirectoryError(f"{path} was edited after the build (its checksum does not match): {_REBUILD}")
+    problem = _layout_problem(body)
+    if problem:
+        raise EngineDirectoryError(f"{path} is not a manifest specdec-build writes ({problem}): {_REBUILD}")
     manifest = Manifest(
         target=ModelEntry(**body["target"]),
         draft=ModelEntry(**body["draft"]) if body["draft"] else None,
@@ -127,6 +129,59 @@ def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
         for name, expected in manifest.files.items():
             _check_file(Path(directory) / name, expected)
     return manifest
+
+
+def _layout_problem(body: dict[str, Any]) -> str | None:
+    """What in a checksum-valid manifest body differs from what ``write_manifest`` writes (None: nothing):
+    every key present, none added, each value of its type, every graph among the checksummed files."""
+    problem = _keys_problem("the manifest", body, {f.name for f in fields(Manifest)})
+    if problem:
+        return problem
+    if body["draft_kind"] not in DRAFT_KINDS:
+        return f"draft_kind {body['draft_kind']!r} is none of {', '.join(DRAFT_KINDS)}"
+    if (body["draft"] is None) != (body["draft_kind"] == "none"):
+        return f"draft_kind {body['draft_kind']!r} does not match the draft entry"
+    files = body["files"]
+    if not isinstance(files, dict) or any(
+        not isinstance(f, dict) or set(f) != {"sha256", "bytes"} or not isinstance(f["bytes"], int)
+        for f in files.values()
+    ):
+        return "'files' must map each file to its sha256 and bytes"
+    if not isinstance(body["versions"], dict):
+        return "'versions' must be an object"
+    for role in ("target", "draft"):
+        entry = body[role]
+        if entry is None and role == "draft":
+            continue
+        problem = _keys_problem(f"the {role} entry", entry, set(_ENTRY_TYPES))
+        if problem:
+            return problem
+        for name, kind in _ENTRY_TYPES.items():
+            value = entry[name]
+            if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):
+                return f"{role}.{name} is {value!r}, not a {'non-negative integer' if kind is int else kind.__name__}"
+        if entry["dtype"] not in ENGINE_DTYPES:
+            return f"{role}.dtype {entry['dtype']!r} is none of {', '.join(ENGINE_DTYPES)}"
+        sizes = ("max_context", "max_draft_len", "num_layers", "num_kv_heads", "head_dim", "vocab_size")
+        zero = next((name for name in sizes if entry[name] == 0), None)
+        if zero:
+            return f"{role}.{zero} is 0"
+        if entry["graph"] not in files:
+            return f"{role}.graph {entry['graph']!r} is not among its checksummed files"
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in entry["eos_token_ids"]):
+            return f"{role}.eos_token_ids must be integers"
+    return None
+
+
+def _keys_problem(what: str, body: object, expected: set[str]) -> str | None:
+    if not isinstance(body, dict):
+        return f"{what} is not an object"
+    missing, extra = sorted(expected - set(body)), sorted(set(body) - expected)
+    if missing:
+        return f"{what} lacks {', '.join(missing)}"
+    if extra:
+        return f"{what} has unknown keys {', '.join(extra)}"
+    return None
 
 
 def _check_file(path: Path, expected: dict[str, Any]) -> None:

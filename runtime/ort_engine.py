@@ -22,6 +22,7 @@ from onnxruntime.capi.onnxruntime_pybind11_state import set_global_thread_pool_s
 from specdec_trt.runtime.engine import Engine
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+_REBUILD = "rebuild the engines with specdec-build"
 _pool_threads: int | None = None  # intra-op threads of the process-wide pool, once set (0: one per core)
 
 
@@ -37,6 +38,30 @@ class OrtModelSpec:
     max_context: int
     max_draft_len: int
     dtype: str = "float32"
+
+
+class GraphMismatchError(ValueError):
+    """A graph cannot be loaded, or its inputs and outputs are not the shapes its manifest describes."""
+
+
+def check_graph(session: ort.InferenceSession, spec: OrtModelSpec) -> None:
+    """Refuse a graph whose cache inputs or logits differ from ``spec`` (a manifest edited after the build
+    would otherwise fail inside ONNX Runtime at the first step)."""
+    caches = [i for i in session.get_inputs() if i.name.startswith("past_")]
+    expected = [spec.num_kv_heads, spec.max_context, spec.head_dim]
+    element = "tensor(float16)" if spec.dtype == "float16" else "tensor(float)"
+    problems = []
+    if len(caches) != 2 * spec.num_layers:
+        problems.append(f"{len(caches) // 2} layers of cache, not {spec.num_layers}")
+    if any(list(i.shape[1:]) != expected for i in caches):
+        problems.append(f"cache shape {caches[0].shape[1:] if caches else None}, not {expected}")
+    if any(i.type != element for i in caches):
+        problems.append(f"cache type {caches[0].type if caches else None}, not {spec.dtype}")
+    logits = next((o for o in session.get_outputs() if o.name == "logits"), None)
+    if logits is None or logits.shape[-1] != spec.vocab_size:
+        problems.append(f"logits over {None if logits is None else logits.shape[-1]} tokens, not {spec.vocab_size}")
+    if problems:
+        raise GraphMismatchError(f"{spec.path} has {'; '.join(problems)} as its manifest says: {_REBUILD}")
 
 
 def size_thread_pool(threads: int | None = None) -> None:
@@ -72,7 +97,12 @@ class OrtEngine(Engine):
         super().__init__()
         self.spec = spec
         options = session_options(threads)
-        self.session = ort.InferenceSession(str(spec.path), options, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(spec.path), options, providers=["CPUExecutionProvider"])
+        except RuntimeError as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise GraphMismatchError(f"ONNX Runtime cannot load {spec.path} ({first_line}): {_REBUILD}") from err
+        check_graph(self.session, spec)
         self.vocab_size = spec.vocab_size
         self.max_context = spec.max_context
         self.max_draft_len: int | None = spec.max_draft_len

@@ -11,7 +11,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -21,16 +24,16 @@ import torch
 
 from specdec_trt import __version__
 from specdec_trt.build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, read_header
-from specdec_trt.build_engines.manifest import Manifest, ModelEntry, write_manifest
+from specdec_trt.build_engines.manifest import ENGINE_DTYPES, MANIFEST_NAME, Manifest, ModelEntry, write_manifest
 from specdec_trt.build_engines.model import DTYPES, CompactDecoder, ModelConfig
 from specdec_trt.build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
+from specdec_trt.build_lock import build_lock
 from specdec_trt.draft_spec import INT4, NONE
 from specdec_trt.loading import check_same_vocabulary, model_spec
 from specdec_trt.runtime.ort_engine import OrtEngine, session_options
 from specdec_trt.runtime.torch_engine import TorchEngine
 
 STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
-EXPORT_DTYPES = ("float32", "float16")  # of DTYPES, what the ONNX graphs are exported in
 MAX_DRAFT_LEN_LIMIT = 32
 VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
 QUANTIZATIONS = ("none", "int4")  # of a model built from its own checkpoint; int4: MatMulNBits, block 32
@@ -70,8 +73,8 @@ def default_engine_dir() -> Path:
 
 def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | None]:
     """Every refusal that needs no weights: returns the target's and the draft checkpoint's configs."""
-    if request.dtype not in EXPORT_DTYPES:
-        raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(EXPORT_DTYPES)}")
+    if request.dtype not in ENGINE_DTYPES:
+        raise BuildError(f"dtype {request.dtype!r} is not supported: choose {' or '.join(ENGINE_DTYPES)}")
     for role, quantization in (("target", request.target_quantization), ("draft", request.draft_quantization)):
         if quantization not in QUANTIZATIONS:
             choices = " or ".join(QUANTIZATIONS)
@@ -86,8 +89,7 @@ def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | Non
             "the int4 self-draft of an int4 target would be the target itself: give a draft checkpoint, or "
             "--draft none (prompt lookup needs no draft engine)"
         )
-    if request.out.exists() and any(request.out.iterdir()) and not request.force:
-        raise BuildError(f"{request.out} exists and is not empty: choose another --out or pass --force to replace it")
+    check_out(request.out, request.force)
     target_header = read_header(_target_path(request))
     target = target_header.config
     check_exportable(target)
@@ -112,19 +114,65 @@ def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | Non
     return target, draft
 
 
-def build(request: BuildRequest, on_stage: Callable[[str], None] = lambda stage: None) -> Manifest:
-    """Build an engine directory; ``on_stage`` is called as each stage starts (for a progress bar)."""
+def check_out(out: Path, force: bool) -> None:
+    """``out`` may be written: absent or empty, or (with ``force``) an engine directory to replace. A
+    directory without a manifest may hold anything, so ``force`` never deletes one."""
+    if out.exists() and not out.is_dir():
+        raise BuildError(f"--out {out} is a file, not a directory: choose a directory path for --out")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not force:
+        raise BuildError(f"{out} exists and is not empty: choose another --out or pass --force to replace it")
+    if not (out / MANIFEST_NAME).is_file():
+        raise BuildError(
+            f"{out} holds no {MANIFEST_NAME}, so it is not an engine directory and --force will not delete it: "
+            "choose another --out, or empty it yourself"
+        )
+
+
+def build(
+    request: BuildRequest,
+    on_stage: Callable[[str], None] = lambda stage: None,
+    on_wait: Callable[[], None] = lambda: None,
+) -> Manifest:
+    """Build an engine directory; ``on_stage`` is called as each stage starts (for a progress bar), and
+    ``on_wait`` if another build into the same directory makes this one wait for it to finish."""
     check_request(request)
-    staging = request.out.with_name(request.out.name + ".partial")
-    shutil.rmtree(staging, ignore_errors=True)
+    waited = []
+    with build_lock(request.out, lambda: (waited.append(True), on_wait())), _terminate_as_interrupt():
+        if waited:
+            try:
+                check_out(request.out, request.force)
+            except BuildError as error:
+                raise BuildError(f"another build wrote {request.out} while this one waited: {error}") from None
+        staging = request.out.with_name(request.out.name + ".partial")
+        shutil.rmtree(staging, ignore_errors=True)  # left by a build that was killed
+        try:
+            manifest = _build_into(staging, request, on_stage)
+            if request.out.exists():
+                shutil.rmtree(request.out)
+            staging.rename(request.out)
+            return manifest
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM ends the build as Ctrl-C does, unwinding so that the staging directory is removed (in the
+    main thread, unless the program handles SIGTERM itself)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
-        manifest = _build_into(staging, request, on_stage)
-        if request.out.exists():
-            shutil.rmtree(request.out)
-        staging.rename(request.out)
-        return manifest
+        yield
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _build_into(directory: Path, request: BuildRequest, on_stage: Callable[[str], None]) -> Manifest:

@@ -12,17 +12,26 @@ from rich.table import Table
 
 from specdec_trt.build import PRESETS, QUANTIZATIONS, BuildRequest
 from specdec_trt.build_engines.manifest import read_manifest
-from specdec_trt.cli_options import BackendOptions, DraftLengthType, backend_options, build_with_progress
+from specdec_trt.cli_options import (
+    SEED,
+    BackendOptions,
+    Command,
+    DraftLengthType,
+    FiniteFloat,
+    backend_options,
+    build_with_progress,
+)
 from specdec_trt.decoder import AUTO, DraftLength, GenerationOutput, SpeculativeDecoder, default_draft_length
 from specdec_trt.draft_spec import ENGINE, LOOKUP_FIRST, NGRAM, DraftSpec
 from specdec_trt.sampling import SamplingParams
+from specdec_trt.user_text import check_text, read_stdin, unescape
 
 # What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
 # text repeats itself, the engines' own draft elsewhere (docs/BENCHMARKS.md compares it with each alone).
 ENGINES_DEFAULT_DRAFT = LOOKUP_FIRST + ENGINE
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=Command)
 @click.argument("prompt", required=False)
 @backend_options
 @click.option(
@@ -45,17 +54,27 @@ ENGINES_DEFAULT_DRAFT = LOOKUP_FIRST + ENGINE
     "built for]",
 )
 @click.option("--max-new-tokens", "-n", type=click.IntRange(min=1), default=128)
-@click.option("--temperature", "-t", type=click.FloatRange(min=0), default=0.0, help="0 is greedy decoding.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, help="Nucleus mass; 1 is off.")
+@click.option("--temperature", "-t", type=FiniteFloat(min=0), default=0.0, help="0 is greedy decoding.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, help="Nucleus mass; 1 is off.")
 @click.option("--top-k", type=click.IntRange(min=0), default=0, help="Keep the k most likely tokens; 0 is off.")
 @click.option(
     "--min-p",
-    type=click.FloatRange(0, 1, max_open=True),
+    type=FiniteFloat(0, 1, max_open=True),
     default=0.0,
     help="Drop tokens below min_p times the top probability; 0 is off.",
 )
-@click.option("--seed", type=click.IntRange(min=0), help="Seed for reproducible sampling.")
-@click.option("--stop", multiple=True, help="Stop string (repeatable); not included in the output.")
+@click.option("--seed", type=SEED, help="Seed for reproducible sampling.")
+@click.option(
+    "--stop",
+    multiple=True,
+    help="Stop string (repeatable); not included in the output. Backslash escapes are interpreted, as in PROMPT.",
+)
+@click.option(
+    "--escape/--no-escape",
+    default=True,
+    help=r"Interpret backslash escapes (\n, \t, \\, \xHH, ...) in PROMPT and --stop, as llama.cpp does; "
+    "standard input is always taken as it is.",
+)
 @click.option("--chat/--no-chat", default=False, help="Wrap the prompt in the tokenizer's chat template.")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print one JSON object (text, token ids, stats) instead of streaming."
@@ -67,10 +86,12 @@ def run(
     num_draft_tokens: DraftLength | None,
     chat: bool,
     as_json: bool,
+    escape: bool,
     **sampling,
 ) -> None:
     """Generate from PROMPT with lossless speculative decoding, streaming text to stdout and a stats table
-    to stderr. PROMPT '-' (or none, with piped input) reads standard input.
+    to stderr. PROMPT '-' (or none, with piped input) reads standard input. Backslash escapes in PROMPT and
+    --stop are interpreted ("\\n" is a newline) unless --no-escape.
 
     \b
     Examples:
@@ -81,42 +102,41 @@ def run(
       specdec-run --device cuda --chat "Hello"
     """
     err = Console(stderr=True)
-    text = _read_prompt(prompt)
-    try:
-        params = SamplingParams(**sampling)
-        backend = backend.resolved(err)
-        spec = DraftSpec.parse(draft)
-        if draft is None:
-            own = backend.engines is not None and read_manifest(backend.engines, verify_files=False).draft is not None
-            spec = DraftSpec.parse(ENGINES_DEFAULT_DRAFT if own else NGRAM)
-            if own and num_draft_tokens is None:
-                num_draft_tokens = AUTO
-        if not spec.drafts and num_draft_tokens:
-            raise click.UsageError(f"-k {num_draft_tokens} needs a draft: --draft none is plain decoding")
-        with err.status("Loading models…"):
-            loaded = backend.open([spec], err)
-        if num_draft_tokens is None:
-            num_draft_tokens = default_draft_length(loaded.target) if spec.drafts else 0
-        decoder = SpeculativeDecoder.from_loaded(loaded, num_draft_tokens)
-        if chat:
-            text = decoder.apply_chat_template(text)
-        if backend.compile:
-            err.print("[dim]torch.compile compiles the layers during the first steps…[/dim]")
-        if as_json:
-            output = decoder.generate(text, params)
-            click.echo(json.dumps(_as_json(output, decoder.num_draft_tokens, str(spec)), indent=2))
-            return
-        stream = decoder.stream(text, params)
-        for piece in stream:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
-        click.echo()
-    except ValueError as error:
-        raise click.ClickException(str(error)) from error
+    text = _read_prompt(prompt, escape)
+    if escape:
+        sampling["stop"] = tuple(unescape(stop) for stop in sampling["stop"])
+    params = SamplingParams(**sampling)
+    spec = DraftSpec.parse(draft)
+    backend = backend.resolved(err)
+    if draft is None:
+        own = backend.engines is not None and read_manifest(backend.engines, verify_files=False).draft is not None
+        spec = DraftSpec.parse(ENGINES_DEFAULT_DRAFT if own else NGRAM)
+        if own and num_draft_tokens is None:
+            num_draft_tokens = AUTO
+    if not spec.drafts and num_draft_tokens:
+        raise click.UsageError(f"-k {num_draft_tokens} needs a draft: --draft none is plain decoding")
+    with err.status("Loading models…"):
+        loaded = backend.open([spec], err)
+    if num_draft_tokens is None:
+        num_draft_tokens = default_draft_length(loaded.target) if spec.drafts else 0
+    decoder = SpeculativeDecoder.from_loaded(loaded, num_draft_tokens)
+    if chat:
+        text = decoder.apply_chat_template(text)
+    if backend.compile:
+        err.print("[dim]torch.compile compiles the layers during the first steps…[/dim]")
+    if as_json:
+        output = decoder.generate(text, params)
+        click.echo(json.dumps(_as_json(output, decoder.num_draft_tokens, str(spec)), indent=2))
+        return
+    stream = decoder.stream(text, params)
+    for piece in stream:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
     err.print(_stats_table(stream.output, decoder.num_draft_tokens, str(spec)))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=Command)
 @click.option("--target", help="Target: a Hugging Face checkpoint directory or a .gguf file.")
 @click.option(
     "--draft",
@@ -183,10 +203,7 @@ def build_command(
     if out is None:
         raise click.UsageError("give --out, the engine directory to write")
     err = Console(stderr=True)
-    try:
-        manifest = build_with_progress(BuildRequest(out=out, force=force, **settings), err)
-    except ValueError as error:
-        raise click.ClickException(str(error)) from error
+    manifest = build_with_progress(BuildRequest(out=out, force=force, **settings), err)
     sizes = {
         role: sum(f["bytes"] for name, f in manifest.files.items() if name.startswith(role + "/"))
         for role in ("target", "draft")
@@ -195,12 +212,14 @@ def build_command(
     err.print(f"[green]Built[/green] {out}: target {target_mb:.0f} MB, draft ({manifest.draft_kind}) {draft_mb:.0f} MB")
 
 
-def _read_prompt(prompt: str | None) -> str:
+def _read_prompt(prompt: str | None, escape: bool) -> str:
+    """PROMPT (with its escapes interpreted when ``escape``), or standard input as it is."""
     if prompt not in (None, "-"):
-        return prompt
+        text = check_text(prompt, "PROMPT")
+        return unescape(text) if escape else text
     if sys.stdin.isatty():
         raise click.UsageError("give a PROMPT argument, or pipe the prompt into standard input")
-    return sys.stdin.read()
+    return read_stdin()
 
 
 def _as_json(output: GenerationOutput, num_draft_tokens: DraftLength, draft: str) -> dict:

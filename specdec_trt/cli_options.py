@@ -4,6 +4,8 @@ the draft-length and number-list types, and the default engines built on first u
 from __future__ import annotations
 
 import functools
+import math
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -15,13 +17,88 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 
 from specdec_trt.build import PRESETS, STAGES, BuildRequest, build, default_engine_dir
 from specdec_trt.build_engines.checkpoint import default_model_path
-from specdec_trt.build_engines.manifest import SCHEMA_VERSION, Manifest, schema_version_of
+from specdec_trt.build_engines.manifest import MANIFEST_NAME, EngineDirectoryError, Manifest, read_manifest
 from specdec_trt.build_engines.model import DTYPES
+from specdec_trt.build_lock import build_lock
 from specdec_trt.decoder import AUTO, DraftLength
 from specdec_trt.draft_spec import DraftSpec
 from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
+from specdec_trt.runtime.ort_engine import GraphMismatchError
+from specdec_trt.validation import MAX_SEED, InvalidValueError, check_threads
 
 MAX_DRAFT_LENGTH = 64  # the most drafts per round a command line may ask for
+DEBUG_ENV = "SPECDEC_DEBUG"
+# What a user's input or environment can cause: our own errors are ValueError subclasses (our TypeErrors
+# too), UnicodeDecodeError is undecodable input, OSError a path that is missing, unreadable or unwritable.
+USER_ERRORS = (ValueError, OSError)
+
+
+class Command(click.Command):
+    """A click command whose user errors end in one line, ``Error: ...`` with exit status 1, never a
+    traceback; ``--debug`` (or ``SPECDEC_DEBUG=1``) lets the traceback through for a bug report."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("context_settings", {"help_option_names": ["-h", "--help"], "show_default": True})
+        super().__init__(*args, **kwargs)
+        self.params.append(
+            click.Option(
+                ["--debug"],
+                is_flag=True,
+                expose_value=False,
+                is_eager=True,
+                callback=_remember_debug,
+                help=f"Show the full traceback of an error (for a bug report); {DEBUG_ENV}=1 does the same.",
+            )
+        )
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except USER_ERRORS as error:
+            if ctx.meta.get(DEBUG_ENV) or os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
+                raise
+            raise click.ClickException(describe(error)) from error
+
+
+def _remember_debug(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    ctx.meta[DEBUG_ENV] = value
+
+
+def describe(error: BaseException) -> str:
+    """One line for a user error: its message, or for an OSError the path, the reason and the fix."""
+    if isinstance(error, OSError) and error.strerror:
+        where = f"{error.filename}: " if error.filename is not None else ""
+        return f"{where}{error.strerror.lower()}: check the path and its permissions"
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+class ThreadCount(click.ParamType):
+    """A number of CPU threads, from 1 to this machine's cores (more only take turns on them)."""
+
+    name = "INTEGER"
+
+    def convert(self, value, param, ctx) -> int:
+        try:
+            count = int(value)
+        except ValueError:
+            self.fail(f"{value!r} is not an integer", param, ctx)
+        try:
+            return check_threads(count, os.cpu_count() or 1)
+        except InvalidValueError as error:
+            self.fail(str(error), param, ctx)
+
+
+class FiniteFloat(click.FloatRange):
+    """A ``click.FloatRange`` that also refuses inf and nan."""
+
+    def convert(self, value, param, ctx) -> float:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+SEED = click.IntRange(0, MAX_SEED)  # what torch's generators take
 
 
 class DraftLengthType(click.ParamType):
@@ -50,8 +127,8 @@ def number_list(kind: type, minimum: float):
             numbers = tuple(kind(item) for item in value.split(",") if item.strip())
         except ValueError as err:
             raise click.BadParameter(f"{value!r} is not a comma-separated list of {kind.__name__}s") from err
-        if not numbers or any(not n >= minimum for n in numbers):
-            raise click.BadParameter(f"{value!r}: give one or more values, each >= {minimum}")
+        if not numbers or any(not (math.isfinite(n) and n >= minimum) for n in numbers):
+            raise click.BadParameter(f"{value!r}: give one or more finite values, each >= {minimum}")
         return tuple(dict.fromkeys(numbers))
 
     return parse
@@ -101,7 +178,14 @@ class BackendOptions:
                 cuda_graphs=False if self.enforce_eager else None,
                 compiled=bool(self.compile),
             )
-        return open_engine_directory(self.resolved(err).engines, drafts, self.threads)
+        directory = self.resolved(err).engines
+        try:
+            return open_engine_directory(directory, drafts, self.threads)
+        except (EngineDirectoryError, GraphMismatchError) as error:
+            if self.engines is not None:
+                raise
+            default_engines(err, broken=str(error))
+            return open_engine_directory(directory, drafts, self.threads)
 
     def resolved(self, err: Console) -> BackendOptions:
         """These options with the default engines (built if needed) where neither backend was named."""
@@ -143,7 +227,7 @@ def backend_options(command: Callable) -> Callable:
         ),
         click.option(
             "--threads",
-            type=click.IntRange(min=1),
+            type=ThreadCount(),
             help="CPU threads: ONNX Runtime's intra-op pool, or torch's on the PyTorch engine. [default: one per core]",
         ),
         click.option(
@@ -174,20 +258,40 @@ def backend_options(command: Callable) -> Callable:
     return wrapper
 
 
-def default_engines(err: Console) -> Path:
-    """The default engines, built into the cache directory on first use, and again when the cached ones were
-    built by a specdec-trt whose engine layout differs (another schema version)."""
+def default_engines(err: Console, broken: str | None = None) -> Path:
+    """The default engines, built into the cache directory on first use, and built again (saying why) when
+    the cached ones cannot be used: another schema version, an edited manifest, or ``broken`` (why opening
+    them failed). Concurrent first uses build once: the others wait for the build, then use its engines."""
     directory = default_engine_dir()
-    version = schema_version_of(directory)
-    if version != SCHEMA_VERSION:
-        why = "first use only" if version is None else f"the cached ones have schema version {version}"
-        err.print(f"Building the default engines into {directory} ({why})…")
-        build_with_progress(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]), err)
+    problem = broken or _unusable(directory)
+    if problem is None:
+        return directory
+
+    def wait() -> None:
+        err.print(f"Another process is building the default engines into {directory}; waiting for it…")
+
+    with build_lock(directory, wait):
+        problem = broken or _unusable(directory)
+        if problem is not None:
+            err.print(f"Building the default engines into {directory} ({problem})…")
+            build_with_progress(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]), err)
     return directory
 
 
+def _unusable(directory: Path) -> str | None:
+    """Why the cached default engines cannot be used (None: their manifest says they can)."""
+    if not (directory / MANIFEST_NAME).is_file():
+        return "first use only"
+    try:
+        read_manifest(directory, verify_files=False)
+    except EngineDirectoryError as error:
+        return f"the cached ones are unusable: {error}"
+    return None
+
+
 def build_with_progress(request: BuildRequest, err: Console) -> Manifest:
-    """Build an engine directory under a progress bar of its stages."""
+    """Build an engine directory under a progress bar of its stages (saying so if another build of the
+    same directory makes it wait)."""
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -201,6 +305,9 @@ def build_with_progress(request: BuildRequest, err: Console) -> Manifest:
         def on_stage(stage: str) -> None:
             progress.update(task, completed=STAGES.index(stage), description=stage)
 
-        manifest = build(request, on_stage)
+        def on_wait() -> None:
+            progress.console.print(f"Another specdec-build is writing {request.out}; waiting for it to finish…")
+
+        manifest = build(request, on_stage, on_wait)
         progress.update(task, completed=len(STAGES), description="done")
     return manifest

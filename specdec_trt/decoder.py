@@ -24,6 +24,15 @@ from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_dire
 from specdec_trt.runtime.engine import ContextOverflowError, Engine
 from specdec_trt.sampling import SamplingParams
 from specdec_trt.scheduler import AUTO, DEFAULT_PREFILL_CHUNK, DraftLength, GenerationOutput, RequestHandle, Scheduler
+from specdec_trt.user_text import check_text
+from specdec_trt.validation import (
+    InvalidTypeError,
+    InvalidValueError,
+    check_integer,
+    check_prompt_type,
+    check_token_ids,
+    is_integer,
+)
 
 Prompt = str | Sequence[int]
 DEFAULT_NUM_DRAFT_TOKENS = 5
@@ -54,7 +63,7 @@ def default_draft_length(target: Engine) -> int:
 def check_draft_length(gamma: DraftLength, built_for: int | None) -> None:
     """Refuse a fixed draft length past the ``built_for`` drafts an engine's verify pass takes (None: any)."""
     if gamma != AUTO and built_for is not None and gamma > built_for:
-        raise ValueError(
+        raise InvalidValueError(
             f"num_draft_tokens={gamma} exceeds the {built_for} drafts the engine was built for: ask for fewer "
             "or rebuild with specdec-build --max-draft-len"
         )
@@ -62,9 +71,9 @@ def check_draft_length(gamma: DraftLength, built_for: int | None) -> None:
 
 def check_num_draft_tokens(value: object) -> DraftLength:
     """``value`` if it is an integer >= 0 or "auto", else a ValueError saying what is accepted."""
-    if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
-        return value
-    raise ValueError(f"num_draft_tokens must be an integer >= 0 or {AUTO!r}, got {value!r}")
+    if value == AUTO or (is_integer(value) and value >= 0):
+        return value if value == AUTO else int(value)
+    raise InvalidValueError(f"num_draft_tokens must be an integer >= 0 or {AUTO!r}, got {value!r}")
 
 
 class GenerationStream:
@@ -110,7 +119,7 @@ class SpeculativeDecoder:
     ) -> None:
         check_num_draft_tokens(num_draft_tokens)
         if draft_confidence_threshold is not None and not 0 <= draft_confidence_threshold <= 1:
-            raise ValueError(f"draft_confidence_threshold must be in [0, 1], got {draft_confidence_threshold!r}")
+            raise InvalidValueError(f"draft_confidence_threshold must be in [0, 1], got {draft_confidence_threshold!r}")
         self.target = target
         self.drafter = drafter
         self.tokenizer = tokenizer
@@ -153,6 +162,8 @@ class SpeculativeDecoder:
         ``cuda_graphs=False``; ``compiled=True`` runs them through ``torch.compile`` (see ``TorchEngine``).
         ``scheduling``: see ``from_loaded``."""
         check_num_draft_tokens(num_draft_tokens)  # before loading anything
+        if max_context is not None:
+            check_integer("max_context", max_context, 1)
         spec = DraftSpec.parse(draft)
         loaded = open_checkpoints(target, [spec], device, dtype, max_context, cuda_graphs, compiled)
         return cls.from_loaded(loaded, num_draft_tokens, draft_confidence_threshold, **scheduling)
@@ -204,23 +215,23 @@ class SpeculativeDecoder:
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        check_prompt_type(prompt)
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer.encode(prompt)
+                raise InvalidValueError("this model has no tokenizer: pass the prompt as a list of token ids")
+            ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
         else:
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
-            if bad:
-                raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.target.vocab_size})")
+            ids = check_token_ids(prompt, self.target.vocab_size)
         if not ids:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise InvalidValueError("the prompt is empty: give at least one token")
         return ids
 
     def apply_chat_template(self, message: str) -> str:
         """Wrap a user message in the tokenizer's chat template, ready for the assistant's answer."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
-            raise ValueError("this model's tokenizer has no chat template")
+            raise InvalidValueError("this model's tokenizer has no chat template")
         return self.tokenizer.apply_chat_template(
             [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
         )
@@ -279,24 +290,29 @@ class SpeculativeDecoder:
         num_draft_tokens: DraftLength | Sequence[DraftLength] | None,
     ) -> list[tuple[list[int], SamplingParams, DraftLength]]:
         """Validate everything before any work: the draft lengths, the parameters, prompts and context."""
-        if isinstance(prompts, str) or not prompts:
-            raise ValueError("prompts must be a non-empty list of prompts")
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or not prompts:
+            raise InvalidValueError("prompts must be a non-empty list of prompts")
         params = SamplingParams() if params is None else params
-        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        param_list = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        if not isinstance(param_list, (list, tuple)) or any(not isinstance(p, SamplingParams) for p in param_list):
+            raise InvalidTypeError(
+                f"params must be a SamplingParams (or one per prompt), got {type(params).__name__}: "
+                "pass SamplingParams(...), e.g. SamplingParams(**your_dict)"
+            )
         gamma = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         gammas = list(gamma) if isinstance(gamma, (list, tuple)) else [gamma] * len(prompts)
         if len(param_list) != len(prompts) or len(gammas) != len(prompts):
-            raise ValueError(
+            raise InvalidValueError(
                 f"got {len(param_list)} sampling parameters and {len(gammas)} draft lengths for {len(prompts)} prompts"
             )
         requests = []
         for prompt, p, k in zip(prompts, param_list, gammas):
             k = check_num_draft_tokens(k)
             if k and self.drafter is None:
-                raise ValueError(f"num_draft_tokens={k!r} needs a drafter; this decoder has none (use 0)")
+                raise InvalidValueError(f"num_draft_tokens={k!r} needs a drafter; this decoder has none (use 0)")
             check_draft_length(k, self.target.max_draft_len)
             if p.stop and self.tokenizer is None:
-                raise ValueError("stop strings need a tokenizer; this model has none")
+                raise InvalidValueError("stop strings need a tokenizer; this model has none")
             ids = self.tokenize(prompt)
             check_context(len(ids), p.max_new_tokens, self.max_auto_draft if k == AUTO else k, self.max_context)
             requests.append((ids, p, k))

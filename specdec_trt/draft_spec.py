@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec_trt.validation import InvalidValueError
+
 NONE = "none"  # plain decoding: no drafts
 NGRAM = "ngram"  # prompt lookup: drafts copied from earlier in the text, no model
 ENGINE = "engine"  # an engine directory's own draft, whatever it was built from
@@ -36,7 +38,7 @@ class DraftSpec:
         if text.startswith(LOOKUP_FIRST):
             model = text.removeprefix(LOOKUP_FIRST)
             if model in ("", NONE, NGRAM) or model.startswith(LOOKUP_FIRST):
-                raise ValueError(f"draft {text!r}: after 'ngram+' name the model that drafts where lookup fails")
+                raise InvalidValueError(f"draft {text!r}: after 'ngram+' name the model that drafts where lookup fails")
             return cls(model, lookup=True)
         return cls(text)
 

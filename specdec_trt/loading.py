@@ -3,6 +3,7 @@ checkpoints (PyTorch). The Python API, specdec-run and specdec-bench all open th
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, Prom
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine, OrtModelSpec
 from specdec_trt.runtime.torch_engine import TorchEngine
+from specdec_trt.validation import InvalidValueError, check_threads
 
 
 class VocabularyMismatchError(ValueError):
@@ -50,7 +52,7 @@ class LoadedModels:
     def only_drafter(self) -> Drafter | None:
         """The drafter of a single-draft load (None for plain decoding)."""
         if len(self.drafters) > 1:
-            raise ValueError(f"{len(self.drafters)} drafters were loaded; name the one you want")
+            raise InvalidValueError(f"{len(self.drafters)} drafters were loaded; name the one you want")
         return next(iter(self.drafters.values()), None)
 
 
@@ -74,9 +76,9 @@ def usable_device(name: torch.device | str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as err:
-        raise ValueError(f"{name!r} is not a torch device (try cpu or cuda): {err}") from err
+        raise InvalidValueError(f"{name!r} is not a torch device (try cpu or cuda): {err}") from err
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device} was asked for, but this torch build sees no CUDA device")
+        raise InvalidValueError(f"device {device} was asked for, but this torch build sees no CUDA device")
     return device
 
 
@@ -96,7 +98,7 @@ def open_checkpoints(
     target_path = Path(target) if target is not None else default_model_path()
     for spec in drafts:
         if spec.is_own:
-            raise ValueError(
+            raise InvalidValueError(
                 f"draft {str(spec)!r} names an engine directory's own draft; with a target checkpoint give a "
                 "draft checkpoint, 'ngram' or 'none'"
             )
@@ -127,6 +129,7 @@ def open_engine_directory(
     """Check an engine directory (schema, checksums) and open its target on ONNX Runtime, with a drafter per
     draft: prompt lookup, the directory's own draft ("engine", or "int4" when it is the target quantized),
     or the target of another engine directory with the same vocabulary; each alone or behind prompt lookup."""
+    threads = check_threads(threads, os.cpu_count() or 1)
     directory = Path(directory)
     manifest = read_manifest(directory)
     # ONNX Runtime's thread pool owns the cores; torch only samples here, and its own threads waking
@@ -187,9 +190,9 @@ def _own_drafter(
     directory: Path, manifest: Manifest, spec: DraftSpec, target: OrtEngine, threads: int | None
 ) -> ModelDrafter:
     if manifest.draft is None:
-        raise ValueError(f"{directory} was built without a draft: --draft {spec} needs one (use ngram or none)")
+        raise InvalidValueError(f"{directory} was built without a draft: --draft {spec} needs one (use ngram or none)")
     if spec.model == INT4 and manifest.draft_kind != INT4:
-        raise ValueError(f"{directory}'s draft is a {manifest.draft_kind} draft, not int4: use --draft {ENGINE}")
+        raise InvalidValueError(f"{directory}'s draft is a {manifest.draft_kind} draft, not int4: use --draft {ENGINE}")
     engine = OrtEngine(model_spec(directory, manifest.draft), threads)
     # A self-draft shares the target's cache layout: it starts from the target's prompt cache and copies the
     # keys and values of later tokens from the target too, feeding only the newest one.
@@ -202,7 +205,7 @@ def _other_directory_drafter(
     """The target of another engine directory as a draft (and the checkpoint it was built from), after
     checking that it shares the vocabulary."""
     if not (path / MANIFEST_NAME).is_file():
-        raise ValueError(
+        raise InvalidValueError(
             f"draft {path} is not an engine directory: with --engines a draft is 'engine', 'int4', 'ngram', "
             "'ngram+engine', another engine directory or 'none' (draft checkpoints go with --target)"
         )
@@ -229,5 +232,5 @@ def _add(
     else:
         drafter = model
     if label in loaded.drafters:
-        raise ValueError(f"two drafts are named {label!r}: give each draft once, with distinct directory names")
+        raise InvalidValueError(f"two drafts are named {label!r}: give each draft once, with distinct directory names")
     loaded.drafters[label] = drafter

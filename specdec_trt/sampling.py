@@ -15,6 +15,16 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_trt.runtime.transfer import to_device
+from specdec_trt.validation import (
+    MAX_SEED,
+    InvalidTypeError,
+    InvalidValueError,
+    check_bounded,
+    check_flag,
+    check_integer,
+)
+
+PREFIX = "invalid sampling parameters: "
 
 
 @dataclass(frozen=True)
@@ -33,26 +43,34 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop))
+        """Refuse, with one line naming the field, any value that cannot mean what the field says."""
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
+            raise InvalidValueError(f"{PREFIX}stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        checks = (
+            lambda: check_integer("max_new_tokens", self.max_new_tokens, 1),
+            lambda: check_bounded("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 means greedy)"),
+            lambda: check_bounded("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1 disables it)"),
+            lambda: check_integer("top_k", self.top_k, 0),
+            lambda: check_bounded("min_p", self.min_p, lambda p: 0 <= p < 1, "in [0, 1) (0 disables it)"),
+            lambda: self.seed is None or check_integer("seed", self.seed, 0, MAX_SEED),
+            lambda: check_flag("ignore_eos", self.ignore_eos),
+        )
         problems = []
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            problems.append(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            problems.append(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        if not 0 <= self.min_p < 1:
-            problems.append(f"min_p must be in [0, 1), got {self.min_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            problems.append(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            problems.append(f"stop must be non-empty strings, got {self.stop!r}")
+        for check in checks:
+            try:
+                check()
+            except (InvalidValueError, InvalidTypeError) as error:
+                problems.append(error)
         if problems:
-            raise ValueError("invalid sampling parameters: " + "; ".join(problems))
+            kind = InvalidTypeError if any(isinstance(p, InvalidTypeError) for p in problems) else InvalidValueError
+            raise kind(PREFIX + "; ".join(map(str, problems)))
+        for name in ("max_new_tokens", "top_k", "seed"):  # NumPy integers become Python's
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, int(getattr(self, name)))
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
 
     @property
     def greedy(self) -> bool:
@@ -62,10 +80,6 @@ class SamplingParams:
 def new_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
     """A generator seeded with ``params.seed`` on ``device``, or None without a seed."""
     return None if params.seed is None else torch.Generator(torch.device(device)).manual_seed(params.seed)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:

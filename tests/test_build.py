@@ -237,6 +237,7 @@ def built(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("built")
     (root / "none").mkdir()
     (root / "none" / SENTINEL).write_text("replace me")
+    (root / "none" / MANIFEST_NAME).write_text("{}")  # an engine directory of some earlier build
     common = ["--target", str(checkpoints.target), "--max-draft-len", str(MAX_DRAFT_LEN)]
     common += ["--max-context", str(MAX_CONTEXT)]
     model_draft = start_console_build(*common, "--draft", str(checkpoints.draft), "--out", str(root / "model"))
@@ -330,6 +331,7 @@ def test_failed_build_leaves_no_partial_directory(checkpoints: Checkpoints, tmp_
         out = tmp_path / stage.replace(" ", "-")
         out.mkdir()
         (out / SENTINEL).write_text(stage)
+        (out / MANIFEST_NAME).write_text("{}")  # an engine directory of some earlier build
         request = BuildRequest(out=out, target=checkpoints.target, draft="int4", max_context=MAX_CONTEXT, force=True)
         requests.append(request)
     fresh = BuildRequest(out=tmp_path / "fresh", target=checkpoints.target, draft="none", max_context=MAX_CONTEXT)
@@ -340,7 +342,7 @@ def test_failed_build_leaves_no_partial_directory(checkpoints: Checkpoints, tmp_
         assert result.stages[-1] == stage
         assert not request.out.with_name(request.out.name + ".partial").exists(), stage
     for request, stage in zip(requests, failing):
-        assert [p.name for p in request.out.iterdir()] == [SENTINEL]
+        assert sorted(p.name for p in request.out.iterdir()) == sorted([MANIFEST_NAME, SENTINEL])
         assert (request.out / SENTINEL).read_text() == stage
     assert not fresh.out.exists()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import sys
@@ -27,10 +26,10 @@ from specdec_trt.bench.methods import (
 )
 from specdec_trt.bench.plots import write_plots
 from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
+from specdec_trt.bench.results_file import read_results
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
-from specdec_trt.bench.summary import summarise
 from specdec_trt.build_engines.model import DTYPES
-from specdec_trt.cli_options import BackendOptions, backend_options, number_list
+from specdec_trt.cli_options import SEED, BackendOptions, Command, backend_options, number_list
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength, check_context, check_draft_length
 from specdec_trt.draft_spec import ENGINE, NGRAM, DraftSpec
 from specdec_trt.loading import LoadedModels
@@ -46,7 +45,7 @@ def _draft_lengths(schedule: str):
         for item in (item.strip() for item in value.split(",")):
             if item == schedule:
                 lengths.append(item)
-            elif item.isdigit() and int(item) >= 1:
+            elif item.isascii() and item.isdigit() and int(item) >= 1:
                 lengths.append(int(item))
             elif item:
                 raise click.BadParameter(f"{item!r} is neither a draft length (an integer >= 1) nor {schedule!r}")
@@ -62,7 +61,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     return tuple(k for k in gammas if k != AUTO) + ((HEURISTIC,) if AUTO in gammas else ())
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=Command)
 @backend_options
 @click.option(
     "--draft",
@@ -123,7 +122,7 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
 )
 @click.option(
     "--seed",
-    type=click.IntRange(min=0),
+    type=SEED,
     default=0,
     help="Base seed of sampled requests: each prompt and repeat draws its own text (seed + prompt index x "
     "repeats + repeat), the same for every method.",
@@ -190,9 +189,7 @@ def bench(
     """
     err = Console(stderr=True)
     if from_json is not None:
-        data = json.loads(from_json.read_text())
-        methods = [Method(m["family"], m["draft"], m["num_draft_tokens"]) for m in data["methods"]]
-        data["summary"] = summarise(data["runs"], methods)
+        data = read_results(from_json)
         _write_outputs(data, from_json, plots_dir or from_json.with_name(from_json.stem + "-plots"), markdown, err)
         return
     if not peers and (hf_target or peer_gammas):
@@ -212,33 +209,30 @@ def bench(
         ignore_eos=ignore_eos,
     )
     default_drafts = (NGRAM,) if backend.on_pytorch else (ENGINE, NGRAM)
-    try:
-        specs = [DraftSpec.parse(d) for d in drafts or default_drafts]
-        loaded_suites = [load_suite(name) for name in config.suites]
-        backend = backend.resolved(err)
-        with err.status("Loading models…"):
-            models = backend.open(specs, err)
-            ours = OursRunner(models, torch_threads if backend.on_pytorch else 1)
-            _check_fits(config, loaded_suites, models, ours)
-            runner_for: dict = {OURS: ours}
-            methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in models.drafters for k in gammas]
-            if peers:
-                runner_for[TRANSFORMERS] = TransformersRunner.open(
-                    hf_target or models.target_checkpoint,
-                    models.draft_checkpoints,
-                    str(models.target.device),
-                    DTYPES[backend.dtype or "float32"],
-                    torch_threads,
-                    models.eos_token_ids,
-                )
-                peer_drafts = [d for d in models.drafters if d == NGRAM or d in models.draft_checkpoints]
-                methods.append(Method(TRANSFORMERS, None))
-                lengths = peer_gammas or peer_lengths(gammas)
-                methods += [
-                    Method(TRANSFORMERS, d, k) for d in peer_drafts for k in lengths if d != NGRAM or k != HEURISTIC
-                ]
-    except ValueError as error:
-        raise click.ClickException(str(error)) from error
+    specs = [DraftSpec.parse(d) for d in drafts or default_drafts]
+    loaded_suites = [load_suite(name) for name in config.suites]
+    backend = backend.resolved(err)
+    with err.status("Loading models…"):
+        models = backend.open(specs, err)
+        ours = OursRunner(models, torch_threads if backend.on_pytorch else 1)
+        _check_fits(config, loaded_suites, models, ours)
+        runner_for: dict = {OURS: ours}
+        methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in models.drafters for k in gammas]
+        if peers:
+            runner_for[TRANSFORMERS] = TransformersRunner.open(
+                hf_target or models.target_checkpoint,
+                models.draft_checkpoints,
+                str(models.target.device),
+                DTYPES[backend.dtype or "float32"],
+                torch_threads,
+                models.eos_token_ids,
+            )
+            peer_drafts = [d for d in models.drafters if d == NGRAM or d in models.draft_checkpoints]
+            methods.append(Method(TRANSFORMERS, None))
+            lengths = peer_gammas or peer_lengths(gammas)
+            methods += [
+                Method(TRANSFORMERS, d, k) for d in peer_drafts for k in lengths if d != NGRAM or k != HEURISTIC
+            ]
     command = "specdec-bench " + shlex.join(sys.argv[1:])
     results = BenchResults(config, methods, environment(str(models.target.device), torch_threads), command)
     interrupted = _measure(results, loaded_suites, runner_for, ours.encode, out, err)

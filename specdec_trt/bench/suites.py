@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdec_trt.user_text import read_text
+
 PROMPTS_DIR = Path(__file__).parent / "prompts"
 SUITES = ("code", "chat", "summarisation", "long-context")
 
@@ -43,7 +45,7 @@ def load_suite(name_or_path: str | Path) -> Suite:
     elif not path.is_file():
         raise SuiteError(f"{name_or_path!r} is neither a suite ({', '.join(SUITES)}) nor a JSONL file")
     prompts: list[BenchPrompt] = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(read_text(path).splitlines(), 1):
         if line.strip():
             prompts.append(_parse(line, f"{path}:{number}"))
     if not prompts:

@@ -10,13 +10,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from specdec_trt.build_engines.checkpoint import CheckpointError
-from specdec_trt.cli_options import number_list
-from specdec_trt.distill.pipeline import DataSettings, DistillConfig, DistillError, DistillReport, distill
+from specdec_trt.cli_options import SEED, Command, FiniteFloat, ThreadCount, number_list
+from specdec_trt.distill.pipeline import DataSettings, DistillConfig, DistillReport, distill
 from specdec_trt.distill.trainer import TrainSettings
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.command(cls=Command)
 @click.option("--out", "-o", type=click.Path(path_type=Path), required=True, help="Directory for the draft checkpoint.")
 @click.option(
     "--target",
@@ -78,18 +77,18 @@ from specdec_trt.distill.trainer import TrainSettings
 )
 @click.option("--steps", type=click.IntRange(min=1), default=1500, help="Optimiser steps.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=8, help="Chunks per step.")
-@click.option("--learning-rate", "--lr", type=click.FloatRange(min=0, min_open=True), default=2e-3)
+@click.option("--learning-rate", "--lr", type=FiniteFloat(min=0, min_open=True), default=2e-3)
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=30)
 @click.option(
     "--kd-temperature",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(min=0, min_open=True),
     default=1.0,
     help="Temperature of both distributions in the KL loss (e.g. the sampling temperature you serve at).",
 )
 @click.option("--eval-every", type=click.IntRange(min=1), default=100, help="Held-out evaluation and state save.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Seeds sampling, the split and batch order.")
+@click.option("--seed", type=SEED, default=0, help="Seeds sampling, the split and batch order.")
 @click.option("--device", default="cpu", help="torch device: cpu, cuda, cuda:1, ...")
-@click.option("--threads", type=click.IntRange(min=1), help="torch CPU threads. [default: torch's]")
+@click.option("--threads", type=ThreadCount(), help="torch CPU threads. [default: torch's]")
 @click.option("--generate-batch-size", type=click.IntRange(min=1), default=32, help="Rows per generation batch.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run in --out (same settings).")
 @click.option("--force", is_flag=True, help="Replace a non-empty --out.")
@@ -144,10 +143,7 @@ def distill_command(**options) -> None:
         resume=options["resume"],
         force=options["force"],
     )
-    try:
-        report = _run_with_progress(config, err)
-    except (DistillError, CheckpointError) as error:
-        raise click.ClickException(str(error)) from error
+    report = _run_with_progress(config, err)
     err.print(_report_table(report))
     click.echo(f"draft written to {config.out}; next: specdec-build --draft {config.out} --out engines/NAME")
 

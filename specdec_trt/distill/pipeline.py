@@ -97,8 +97,15 @@ Stage = Callable[[str, int, int, dict], None]  # (stage, done, total, figures) f
 def check_config(config: DistillConfig) -> tuple[Path, list[int]]:
     """Every refusal that needs no work; returns the target's path and the draft's initial layers."""
     out = config.out
+    if out.exists() and not out.is_dir():
+        raise DistillError(f"--out {out} is a file, not a directory: choose a directory path for --out")
     if out.exists() and any(out.iterdir()) and not (config.force or config.resume):
         raise DistillError(f"{out} exists and is not empty: choose another --out, --resume a run, or --force")
+    if config.force and out.exists() and any(out.iterdir()) and not _is_distill_output(out):
+        raise DistillError(
+            f"{out} holds neither {REPORT_FILE} nor {WORK_DIR}/, so it is not a specdec-distill output and --force "
+            "will not delete it: choose another --out, or empty it yourself"
+        )
     if config.resume and not (out / WORK_DIR / "data.pt").is_file():
         raise DistillError(f"nothing to resume in {out}: {out / WORK_DIR / 'data.pt'} is missing")
     try:
@@ -122,6 +129,11 @@ def check_config(config: DistillConfig) -> tuple[Path, list[int]]:
     for file in data.prompts:
         if not Path(file).is_file():
             raise DistillError(f"{file} does not exist")
+    if data.self_generate:
+        try:
+            corpus.load_prompts([Path(p) for p in data.prompts])
+        except ValueError as err:
+            raise DistillError(f"--prompts: {err}") from err
     for path in data.texts:
         if not Path(path).exists():
             raise DistillError(f"{path} does not exist")
@@ -136,10 +148,26 @@ def check_config(config: DistillConfig) -> tuple[Path, list[int]]:
 def distill(config: DistillConfig, on_stage: Stage = lambda stage, done, total, figures: None) -> DistillReport:
     """Run the whole pipeline and write the draft checkpoint into ``config.out``."""
     target_path, layers = check_config(config)
-    work = config.out / WORK_DIR
     if config.force and not config.resume:
         shutil.rmtree(config.out, ignore_errors=True)
+    created = not config.out.exists()
+    work = config.out / WORK_DIR
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        return _distill(config, target_path, layers, work, on_stage)
+    except BaseException:
+        if not (work / "data.pt").is_file():  # nothing to resume: leave no debris that refuses the rerun
+            shutil.rmtree(config.out if created else work, ignore_errors=True)
+        raise
+
+
+def _is_distill_output(out: Path) -> bool:
+    """Whether ``out`` holds a specdec-distill run (finished or in progress)."""
+    return (out / REPORT_FILE).is_file() or (out / WORK_DIR).is_dir()
+
+
+def _distill(config: DistillConfig, target_path: Path, layers: list[int], work: Path, on_stage: Stage) -> DistillReport:
+    """The pipeline itself, from loading the target to writing the draft."""
     seconds: dict[str, float] = {}
     tick = time.perf_counter()
     on_stage("load", 0, 1, {})
