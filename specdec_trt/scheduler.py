@@ -360,23 +360,30 @@ class Scheduler:
         """Waiting requests into free slots, in order, while the next prefill chunk (``budget`` tokens, None:
         no limit) has room for them."""
         pending = sum(len(r.prompt) - r.prefilled for r in self._active.values() if not r.decoding)
+        admitted: list[_Request] = []
         while self._waiting and (budget is None or pending < budget):
-            if self.max_batch_size is not None and len(self._active) >= self.max_batch_size:
-                return
+            if self.max_batch_size is not None and len(self._active) + len(admitted) >= self.max_batch_size:
+                break
             request = self._waiting.popleft()
             with self._lock:
                 self._waiting_count -= 1
             if request.finish_reason is not None:  # cancelled while waiting
                 continue
-            self._active[request.request_id] = request  # before anything that can fail: an error must reach it
-            (request.slot,) = self._free_slots(1)
-            self.target.admit(request.slot)
-            if request.drafts and self.drafter is not None:
-                self.drafter.admit(request.slot)
-            request.admitted = time.perf_counter()
-            request.stats.prompt_tokens = len(request.prompt)
-            request.stats.queue_s = request.admitted - request.submitted
+            admitted.append(request)
             pending += len(request.prompt)
+        if not admitted:
+            return
+        for request in admitted:  # before anything that can fail: an error must reach them
+            self._active[request.request_id] = request
+        now = time.perf_counter()
+        for request, slot in zip(admitted, self._free_slots(len(admitted))):  # one search for the whole batch
+            request.slot = slot
+            self.target.admit(slot)
+            if request.drafts and self.drafter is not None:
+                self.drafter.admit(slot)
+            request.admitted = now
+            request.stats.prompt_tokens = len(request.prompt)
+            request.stats.queue_s = now - request.submitted
 
     def _free_slots(self, count: int) -> list[int]:
         """The lowest ``count`` slots free in the target and the drafter (a slot that a direct use of the engines
@@ -407,15 +414,17 @@ class Scheduler:
         A pass pads every row to the longest chunk, so rows join it only while padding stays under half the
         work; the others wait for the next step."""
         rows, chunks = [], []
+        longest = total = 0  # of the chunks taken so far
         for request in prefilling:
             if budget == 0:
                 break
             chunk = request.prompt[request.prefilled :][:budget]
-            longest = max([len(chunk)] + [len(c) for c in chunks])
-            if chunks and (len(chunks) + 1) * longest > 2 * (len(chunk) + sum(len(c) for c in chunks)):
+            widest = max(longest, len(chunk))
+            if chunks and (len(chunks) + 1) * widest > 2 * (total + len(chunk)):
                 break
             rows.append(request)
             chunks.append(chunk)
+            longest, total = widest, total + len(chunk)
             budget = None if budget is None else budget - len(chunk)
         sizes = [len(c) for c in chunks]
         block = torch.tensor(pad_right(chunks))
