@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.table import Table
 
 from specdec_trt.build import PRESETS, QUANTIZATIONS, BuildRequest
-from specdec_trt.build_engines.manifest import read_manifest
 from specdec_trt.cli_options import (
     SEED,
     BackendOptions,
@@ -20,15 +19,12 @@ from specdec_trt.cli_options import (
     FiniteFloat,
     backend_options,
     build_with_progress,
+    default_draft,
+    draft_length_for,
 )
-from specdec_trt.decoder import AUTO, DraftLength, GenerationOutput, SpeculativeDecoder, default_draft_length
-from specdec_trt.draft_spec import ENGINE, LOOKUP_FIRST, NGRAM, DraftSpec
+from specdec_trt.decoder import DraftLength, GenerationOutput, SpeculativeDecoder
 from specdec_trt.sampling import SamplingParams
 from specdec_trt.user_text import check_text, read_stdin, unescape
-
-# What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
-# text repeats itself, the engines' own draft elsewhere (docs/BENCHMARKS.md compares it with each alone).
-ENGINES_DEFAULT_DRAFT = LOOKUP_FIRST + ENGINE
 
 
 @click.command(cls=Command)
@@ -106,20 +102,11 @@ def run(
     if escape:
         sampling["stop"] = tuple(unescape(stop) for stop in sampling["stop"])
     params = SamplingParams(**sampling)
-    spec = DraftSpec.parse(draft)
     backend = backend.resolved(err)
-    if draft is None:
-        own = backend.engines is not None and read_manifest(backend.engines, verify_files=False).draft is not None
-        spec = DraftSpec.parse(ENGINES_DEFAULT_DRAFT if own else NGRAM)
-        if own and num_draft_tokens is None:
-            num_draft_tokens = AUTO
-    if not spec.drafts and num_draft_tokens:
-        raise click.UsageError(f"-k {num_draft_tokens} needs a draft: --draft none is plain decoding")
+    spec, num_draft_tokens = default_draft(backend, draft, num_draft_tokens)
     with err.status("Loading models…"):
         loaded = backend.open([spec], err)
-    if num_draft_tokens is None:
-        num_draft_tokens = default_draft_length(loaded.target) if spec.drafts else 0
-    decoder = SpeculativeDecoder.from_loaded(loaded, num_draft_tokens)
+    decoder = SpeculativeDecoder.from_loaded(loaded, draft_length_for(loaded, spec, num_draft_tokens))
     if chat:
         text = decoder.apply_chat_template(text)
     if backend.compile:

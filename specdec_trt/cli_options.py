@@ -20,8 +20,8 @@ from specdec_trt.build_engines.checkpoint import default_model_path
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, EngineDirectoryError, Manifest, read_manifest
 from specdec_trt.build_engines.model import DTYPES
 from specdec_trt.build_lock import build_lock
-from specdec_trt.decoder import AUTO, DraftLength
-from specdec_trt.draft_spec import DraftSpec
+from specdec_trt.decoder import AUTO, DraftLength, default_draft_length
+from specdec_trt.draft_spec import ENGINE, LOOKUP_FIRST, NGRAM, DraftSpec
 from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
 from specdec_trt.runtime.ort_engine import GraphMismatchError
 from specdec_trt.validation import MAX_SEED, InvalidValueError, check_threads
@@ -100,6 +100,10 @@ class FiniteFloat(click.FloatRange):
 
 SEED = click.IntRange(0, MAX_SEED)  # what torch's generators take
 
+# What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
+# text repeats itself, the engines' own draft elsewhere (docs/BENCHMARKS.md compares it with each alone).
+ENGINES_DEFAULT_DRAFT = LOOKUP_FIRST + ENGINE
+
 
 class DraftLengthType(click.ParamType):
     """A number of drafts per round (an integer from 0 to ``MAX_DRAFT_LENGTH``) or "auto"."""
@@ -148,6 +152,7 @@ class BackendOptions:
     threads: int | None = None
     enforce_eager: bool | None = None
     compile: bool | None = None
+    is_default: bool = False  # ``engines`` are the default engines, filled in by ``resolved``
 
     @property
     def on_pytorch(self) -> bool:
@@ -182,7 +187,7 @@ class BackendOptions:
         try:
             return open_engine_directory(directory, drafts, self.threads)
         except (EngineDirectoryError, GraphMismatchError) as error:
-            if self.engines is not None:
+            if self.engines is not None and not self.is_default:
                 raise
             default_engines(err, broken=str(error))
             return open_engine_directory(directory, drafts, self.threads)
@@ -191,7 +196,31 @@ class BackendOptions:
         """These options with the default engines (built if needed) where neither backend was named."""
         if self.on_pytorch or self.engines is not None:
             return self
-        return replace(self, engines=default_engines(err))
+        return replace(self, engines=default_engines(err), is_default=True)
+
+
+def default_draft(
+    backend: BackendOptions, draft: str | None, num_draft_tokens: DraftLength | None
+) -> tuple[DraftSpec, DraftLength | None]:
+    """The draft a command opens (``--draft``, or by default lookup-first with auto for engines that have
+    a draft of their own, else prompt lookup) and its draft length if already decided; ``backend`` must be
+    resolved. A draft length without a draft is a usage error."""
+    spec = DraftSpec.parse(draft)
+    if draft is None:
+        own = backend.engines is not None and read_manifest(backend.engines, verify_files=False).draft is not None
+        spec = DraftSpec.parse(ENGINES_DEFAULT_DRAFT if own else NGRAM)
+        if own and num_draft_tokens is None:
+            num_draft_tokens = AUTO
+    if not spec.drafts and num_draft_tokens:
+        raise click.UsageError(f"-k {num_draft_tokens} needs a draft: --draft none is plain decoding")
+    return spec, num_draft_tokens
+
+
+def draft_length_for(loaded: LoadedModels, spec: DraftSpec, num_draft_tokens: DraftLength | None) -> DraftLength:
+    """``num_draft_tokens``, or the default for the opened target (0 without a draft)."""
+    if num_draft_tokens is not None:
+        return num_draft_tokens
+    return default_draft_length(loaded.target) if spec.drafts else 0
 
 
 def backend_options(command: Callable) -> Callable:
@@ -245,7 +274,7 @@ def backend_options(command: Callable) -> Callable:
             "kernels (faster steps on a GPU, after some seconds of compiling in the first steps).",
         ),
     ]
-    names = [field.name for field in fields(BackendOptions)]
+    names = [field.name for field in fields(BackendOptions) if field.name != "is_default"]
 
     @functools.wraps(command)
     def wrapper(**kwargs):

@@ -228,13 +228,13 @@ class SpeculativeDecoder:
             raise InvalidValueError("the prompt is empty: give at least one token")
         return ids
 
-    def apply_chat_template(self, message: str) -> str:
-        """Wrap a user message in the tokenizer's chat template, ready for the assistant's answer."""
+    def apply_chat_template(self, message: str | Sequence[dict[str, str]]) -> str:
+        """Wrap a user message (or a conversation of ``{"role", "content"}`` messages) in the tokenizer's chat
+        template, ready for the assistant's answer."""
         if self.tokenizer is None or not self.tokenizer.chat_template:
             raise InvalidValueError("this model's tokenizer has no chat template")
-        return self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True
-        )
+        messages = [{"role": "user", "content": message}] if isinstance(message, str) else list(message)
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def generate(
         self, prompt: Prompt, params: SamplingParams | None = None, num_draft_tokens: DraftLength | None = None

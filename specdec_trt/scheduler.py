@@ -27,7 +27,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -247,6 +247,10 @@ class Scheduler:
         self._active: dict[int, _Request] = {}  # admitted, by id, in admission order
         self._by_id: dict[int, _Request] = {}
         self.events: list[tuple[str, int]] | None = None  # when a list: ("prefill" | "round", id) per step
+        # Called from the engine thread after each round: its seconds, and the drafts of each row.
+        self.on_round: Callable[[float, list[int]], None] | None = None
+        # Called from the engine thread as each request ends, before its handle hears of it.
+        self.on_finish: Callable[[GenerationOutput], None] | None = None
 
     # --- any thread ---------------------------------------------------------------------------------------
 
@@ -478,6 +482,8 @@ class Scheduler:
         result = speculative_round(self.target, self.drafter, slots, sequences, limits, sampler, stop_rules or None)
         if self.events is not None:
             self.events += [("round", r.request_id) for r in rows]
+        if self.on_round is not None:
+            self.on_round(result.draft_s + result.verify_s, list(result.num_drafted))
         self._observe(rows, auto, parts, result)
         for request, tokens, drafted, accepted in zip(rows, result.tokens, result.num_drafted, result.num_accepted):
             request.stats.record_round(drafted, accepted)
@@ -534,8 +540,14 @@ class Scheduler:
             if request.drafts and self.drafter is not None:
                 self.drafter.release(request.slot)
         self._by_id.pop(request.request_id, None)
+        self._complete(request)
+
+    def _complete(self, request: _Request) -> None:
+        """Hand the ended request's output to ``on_finish`` and to its handle."""
         request.stats.total_s = time.perf_counter() - request.submitted
         request.handle.output = request.output()
+        if self.on_finish is not None:
+            self.on_finish(request.handle.output)
         request.handle._push(None)
 
     def _fail_all(self, message: str) -> None:
@@ -550,9 +562,7 @@ class Scheduler:
         for request in list(self._active.values()) + list(self._waiting):
             if request.finish_reason is None:
                 request.finish_reason, request.error = "error", message
-            request.stats.total_s = time.perf_counter() - request.submitted
-            request.handle.output = request.output()
-            request.handle._push(None)
+            self._complete(request)
         self._active.clear()
         self._waiting.clear()
 

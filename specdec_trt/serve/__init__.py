@@ -1,0 +1,1 @@
+"""specdec-serve: an OpenAI-compatible HTTP server on the continuous-batching scheduler."""

@@ -1,0 +1,104 @@
+"""``specdec-serve``: the OpenAI-compatible HTTP server, with the same backend options as specdec-run."""
+
+from __future__ import annotations
+
+import click
+import uvicorn
+from rich.console import Console
+
+from specdec_trt.cli_options import (
+    BackendOptions,
+    Command,
+    DraftLengthType,
+    backend_options,
+    default_draft,
+    draft_length_for,
+)
+from specdec_trt.decoder import DraftLength, SpeculativeDecoder
+from specdec_trt.serve.app import ServerSettings, create_app
+from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@click.command(cls=Command)
+@backend_options
+@click.option(
+    "--draft",
+    help="As specdec-run's --draft: 'engine', another engine directory or a checkpoint, 'ngram', 'ngram+...', "
+    "or 'none'. [default: 'ngram+engine' with -k auto for engines that have a draft; else 'ngram']",
+)
+@click.option(
+    "--num-draft-tokens",
+    "-k",
+    type=DraftLengthType(),
+    help='Default draft length of a request (a request\'s "speculative": {"num_draft_tokens": ...} wins); '
+    "0 is plain decoding, 'auto' chooses every round. [default: as specdec-run]",
+)
+@click.option("--host", default="127.0.0.1", help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, help="TCP port to listen on.")
+@click.option("--max-batch-size", type=click.IntRange(min=1), default=8, help="Slots: requests decoding at once.")
+@click.option(
+    "--max-queue", type=click.IntRange(min=0), default=64, help="Requests waiting for a slot; past it: HTTP 429."
+)
+@click.option(
+    "--served-model-name",
+    help="The model's name in the API. [default: SmolLM2-135M-Instruct, or the name of --engines / --target]",
+)
+@click.option(
+    "--api-key",
+    envvar="SPECDEC_API_KEY",
+    help="Require 'Authorization: Bearer KEY' on every endpoint but /health (also from $SPECDEC_API_KEY).",
+)
+@click.option(
+    "--drain-timeout",
+    type=click.FloatRange(min=0),
+    default=30.0,
+    help="Seconds that requests in flight get to finish after SIGTERM or SIGINT.",
+)
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
+def serve(
+    backend: BackendOptions,
+    draft: str | None,
+    num_draft_tokens: DraftLength | None,
+    host: str,
+    port: int,
+    max_batch_size: int,
+    max_queue: int,
+    served_model_name: str | None,
+    api_key: str | None,
+    drain_timeout: float,
+    log_level: str,
+) -> None:
+    """Serve the OpenAI API (completions, chat completions, models) with lossless speculative decoding on
+    continuous batching, plus /health and /metrics (Prometheus). Without --engines or --target it serves the
+    embedded SmolLM2-135M-Instruct.
+
+    \b
+    Examples:
+      specdec-serve
+      specdec-serve --engines engines/my-llama --port 8080 --api-key secret
+      specdec-serve --target ./llama-1b --draft ./llama-160m --device cuda -k auto
+    """
+    err = Console(stderr=True)
+    if draft is not None:
+        default_draft(backend, draft, num_draft_tokens)  # a usage error before the server starts
+    named = backend.engines or backend.target
+    settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
+
+    def load() -> SpeculativeDecoder:
+        resolved = backend.resolved(err)
+        spec, gamma = default_draft(resolved, draft, num_draft_tokens)
+        loaded = resolved.open([spec], err)
+        decoder = SpeculativeDecoder.from_loaded(
+            loaded, draft_length_for(loaded, spec, gamma), max_batch_size=max_batch_size, max_queue=max_queue
+        )
+        err.print(f"Ready: {settings.model_name} (draft {spec}, k={decoder.num_draft_tokens}) on http://{host}:{port}")
+        return decoder
+
+    lifecycle = Lifecycle()
+    app = create_app(load, settings, lifecycle)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    DrainingServer(config, lifecycle, drain_timeout).run()
+    if lifecycle.state == FAILED and lifecycle.decoder is None:
+        raise click.ClickException(f"could not load the models: {lifecycle.error}")

@@ -1,0 +1,387 @@
+"""specdec-serve's OpenAI API on a real server (uvicorn on 127.0.0.1) with tiny random models, driven by the
+``openai`` client and httpx: greedy output equals ``SpeculativeDecoder.generate`` for every draft length,
+chat goes through the template, streaming joins to the whole text, usage and the metrics count exactly the
+emitted tokens, concurrent streams equal their solo outputs, and every kind of bad request gets its 4xx
+while the server keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serving import API_KEY, MODEL, serve, sse_events, wait_until
+
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.scheduler import AUTO
+
+PROMPTS = ["the cat sat on the mat", "hello there", "abc abc abc abc", "a long way", "quiet", "one two one two"]
+TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def checkpoints(make_checkpoint) -> tuple[Path, Path]:
+    target = {"family": "llama"}
+    return make_checkpoint(**target), make_checkpoint(draft_of=(target, 0.1), seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(checkpoints):
+    """Four slots, a queue of 64, an API key; the tiny target with a noisy copy of itself as its draft."""
+
+    def load() -> SpeculativeDecoder:
+        return SpeculativeDecoder.from_pretrained(*checkpoints, num_draft_tokens=3, max_batch_size=4, max_queue=64)
+
+    with serve(load) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def greedy(max_tokens: int = TOKENS, **extra) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_tokens, ignore_eos=extra.get("ignore_eos", False))
+
+
+def speculative(k) -> dict:
+    return {"speculative": {"num_draft_tokens": k}}
+
+
+@pytest.mark.parametrize("k", [0, 3, AUTO])
+def test_greedy_completions_equal_generate(server, client, k) -> None:
+    plain = [server.decoder.generate(p, greedy(ignore_eos=True), 0) for p in PROMPTS]
+    for prompt, expected in zip(PROMPTS, plain):
+        reference = server.decoder.generate(prompt, greedy(ignore_eos=True), k)
+        assert reference.token_ids == expected.token_ids  # lossless, the premise of the comparison
+        answer = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=TOKENS,
+            temperature=0,
+            extra_body={"ignore_eos": True, **speculative(k)},
+        )
+        choice = answer.choices[0]
+        assert choice.text == reference.text
+        assert choice.finish_reason == "length"
+        assert answer.usage.completion_tokens == len(reference.token_ids) == TOKENS
+        assert answer.usage.prompt_tokens == reference.stats.prompt_tokens
+        stats = choice.model_extra["speculative"]
+        assert (stats["num_draft_tokens"] > 0) == (k != 0)
+        assert stats["num_accepted_tokens"] == sum(stats["num_accepted_tokens_per_pos"])
+
+
+def test_chat_applies_the_template_and_stops_at_eos(server, client) -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    reference = server.decoder.generate(server.decoder.apply_chat_template("hello there"), greedy(60), 3)
+    answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0)
+    assert answer.choices[0].message.content == reference.text
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason == ("length" if reference.finish_reason == "length" else "stop")
+    assert answer.usage.prompt_tokens == len(server.decoder.tokenize(server.decoder.apply_chat_template("hello there")))
+    assert answer.usage.completion_tokens == len(reference.token_ids)
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]},
+    ]
+    rendered = server.decoder.apply_chat_template(
+        [{**m, "content": "a b"} if i == 2 else m for i, m in enumerate(conversation)]
+    )
+    long = client.chat.completions.create(model=MODEL, messages=conversation, max_completion_tokens=30, temperature=0)
+    assert long.choices[0].message.content == server.decoder.generate(rendered, greedy(30), 3).text
+
+
+def test_streamed_chunks_join_to_the_whole_text_with_usage_last(client) -> None:
+    for k in (0, 2, AUTO):
+        request = dict(
+            model=MODEL,
+            prompt="abc abc abc",
+            max_tokens=50,
+            temperature=0,
+            extra_body={"ignore_eos": True, **speculative(k)},
+        )
+        whole = client.completions.create(**request)
+        chunks = list(client.completions.create(**request, stream=True, stream_options={"include_usage": True}))
+        text_chunks, usage_chunk = chunks[:-1], chunks[-1]
+        assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+        assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+        assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+        streamed = text_chunks[-1].choices[0].model_extra["speculative"]
+        assert streamed.keys() == whole.choices[0].model_extra["speculative"].keys()
+        assert 0 <= streamed["num_accepted_tokens"] <= streamed["num_draft_tokens"]
+        if k != AUTO:  # auto's choices follow what it has measured so far, which the first request added to
+            assert streamed == whole.choices[0].model_extra["speculative"]
+        assert usage_chunk.choices == [] and usage_chunk.usage == whole.usage
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "quiet"}], max_tokens=30, temperature=0, stream=True
+    )
+    chunks = list(chat)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks)  # no include_usage: no usage chunk
+    whole = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "quiet"}], max_tokens=30, temperature=0
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+
+
+def test_raw_stream_is_server_sent_events_ending_in_done(server) -> None:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 5, "temperature": 0, "stream": True}
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(response.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert all(isinstance(e, dict) and e["object"] == "text_completion" for e in events[:-1])
+
+
+def test_usage_and_metrics_count_exactly_the_emitted_tokens(server, client) -> None:
+    before = server.metrics()
+    answers = [
+        client.completions.create(model=MODEL, prompt=p, max_tokens=25, temperature=0, extra_body=speculative(k))
+        for p, k in zip(PROMPTS, [0, 2, AUTO, 3, 1, AUTO])
+    ]
+    after = server.metrics()
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    stats = [a.choices[0].model_extra["speculative"] for a in answers]
+    assert delta("specdec:generation_tokens_total") == sum(a.usage.completion_tokens for a in answers)
+    assert delta("specdec:prompt_tokens_total") == sum(a.usage.prompt_tokens for a in answers)
+    assert delta("specdec:spec_decode_num_drafts_total") == sum(s["num_drafts"] for s in stats)
+    assert delta("specdec:spec_decode_num_draft_tokens_total") == sum(s["num_draft_tokens"] for s in stats)
+    assert delta("specdec:spec_decode_num_accepted_tokens_total") == sum(s["num_accepted_tokens"] for s in stats)
+    for position in range(3):
+        assert delta("specdec:spec_decode_num_accepted_tokens_per_pos_total", position=str(position)) == sum(
+            s["num_accepted_tokens_per_pos"][position]
+            for s in stats
+            if len(s["num_accepted_tokens_per_pos"]) > position
+        )
+    finished = sum(delta("specdec:request_success_total", finished_reason=r) for r in ("stop", "length"))
+    assert finished == len(answers)
+    assert delta("specdec:e2e_request_latency_seconds_count") == len(answers)
+    assert delta("specdec:round_time_seconds_count") > 0
+    for s in stats:
+        if s["num_drafts"]:
+            assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_drafts"])
+
+
+@pytest.fixture(scope="module")
+def self_drafted(checkpoints):
+    """The target drafting for itself: every draft is accepted, so each round emits a whole block."""
+    load = lambda: SpeculativeDecoder.from_pretrained(checkpoints[0], checkpoints[0], num_draft_tokens=5)  # noqa: E731
+    with serve(load, api_key=None) as served:
+        yield served
+
+
+def test_a_stop_string_inside_an_accepted_block_ends_the_text_and_the_count(self_drafted) -> None:
+    decoder = self_drafted.decoder
+    full = decoder.generate("hello there", greedy(60, ignore_eos=True), 5)
+    assert full.stats.acceptance_rate == 1.0
+    text = full.text
+    # A stop string whose first occurrence ends mid-block: neither after the prefill's token nor at a block's end.
+    end = next(e for e in range(4, len(text)) if (e - 1) % 6 not in (0, 5) and text.find(text[e - 3 : e]) == e - 3)
+    stop = text[end - 3 : end]
+    reference = decoder.generate("hello there", SamplingParams(max_new_tokens=60, ignore_eos=True, stop=(stop,)), 5)
+    body = {
+        "prompt": "hello there",
+        "max_tokens": 60,
+        "temperature": 0,
+        "stop": [stop, "never seen"],
+        "ignore_eos": True,
+    }
+    answer = self_drafted.http.post("/v1/completions", json=body).json()
+    assert answer["choices"][0]["text"] == reference.text == text[: end - 3]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["usage"]["completion_tokens"] == len(reference.token_ids) == end  # one character per token
+    assert answer["choices"][0]["speculative"]["num_draft_tokens"] > end - 1  # the block ran past the stop
+    with self_drafted.http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        events = list(sse_events(response.iter_lines()))
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == reference.text
+
+
+def test_sixteen_concurrent_streams_on_four_slots_equal_their_solo_outputs(server) -> None:
+    requests = [(PROMPTS[i % len(PROMPTS)], 10 + 3 * i, [0, 2, AUTO, 3][i % 4]) for i in range(16)]
+    solo = [server.decoder.generate(p, greedy(n, ignore_eos=True), k).text for p, n, k in requests]
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+
+    async def one(prompt: str, n: int, k) -> str:
+        stream = await aclient.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=n,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True, **speculative(k)},
+        )
+        return "".join([chunk.choices[0].text async for chunk in stream])
+
+    async def all_at_once() -> list[str]:
+        try:
+            return await asyncio.gather(*(one(*r) for r in requests))
+        finally:
+            await aclient.close()
+
+    peak = []
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            peak.append(server.decoder.scheduler.num_running)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        outputs = asyncio.run(all_at_once())
+    finally:
+        watching.set()
+        watcher.join()
+    assert outputs == solo
+    assert max(peak) == 4
+
+
+def test_a_client_disconnecting_mid_stream_frees_its_slot(server, client) -> None:
+    before = server.metrics()
+    body = {
+        "model": MODEL,
+        "prompt": "one two",
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    other = threading.Thread(
+        target=lambda: results.append(
+            client.completions.create(
+                model=MODEL, prompt="hello there", max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
+    )
+    results: list[str] = []
+    with server.http.stream("POST", "/v1/completions", json=body) as response:
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        other.start()
+    # The connection is closed: the request is cancelled and leaves its slot.
+    wait_until(lambda: server.decoder.scheduler.num_running == 0 and not other.is_alive(), "the slot was not freed")
+    other.join()
+    assert results == [server.decoder.generate("hello there", greedy(ignore_eos=True), 3).text]
+    after = server.metrics()
+    cancelled = ("specdec:request_success_total", (("finished_reason", "cancelled"),))
+    assert after[cancelled] - before[cancelled] == 1
+    assert server.decoder.target.lengths.sum() == 0
+
+
+BAD_REQUESTS = [
+    (b'{"prompt": "hi", ', 400, None, "invalid_json"),
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens", None),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    ({"prompt": 5}, 400, "prompt", None),
+    ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", None),
+    ({"prompt": "hi " * 100, "max_tokens": 10}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ({"prompt": "hi", "n": 2}, 400, "n", None),
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs", "unsupported_field"),
+    ({"prompt": "hi", "logit_bias": {"5": 10}}, 400, "logit_bias", "unsupported_field"),
+    ({"prompt": "hi", "tools": [{"type": "function"}]}, 400, "tools", "unsupported_field"),
+    ({"prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "unknown_field"),
+    ({"prompt": "hi", "speculative": {"num_draft_tokens": -1}}, 400, "speculative.num_draft_tokens", None),
+    ({"prompt": "hi", "speculative": {"num_draft_tokens": 99}}, 400, "speculative.num_draft_tokens", None),
+    ({"prompt": "hi", "speculative": {"num_draft_tokens": "many"}}, 400, "speculative.num_draft_tokens", None),
+    ({"prompt": ["a", "b"]}, 400, "prompt", None),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "param", "code"), BAD_REQUESTS)
+def test_bad_requests_get_their_4xx_and_the_server_keeps_serving(server, body, status, param, code) -> None:
+    if isinstance(body, bytes):
+        response = server.http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    else:
+        response = server.http.post("/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["message"] and error["type"] and error["param"] == param and error["code"] == code
+    if param is not None:
+        assert param.split(".")[0] in error["message"] or status == 404
+    ok = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "temperature": 0})
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_raises_the_matching_errors(server, client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi", max_tokens=3)
+    with pytest.raises(openai.BadRequestError, match="n=2"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    wrong = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(server.url + "/v1/models").status_code == 401  # no key
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert httpx.get(server.url + "/health").status_code == 200  # the load balancer needs no key
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert server.http.get("/v1/nowhere").json()["error"]["type"] == "not_found_error"
+
+
+def test_a_full_queue_answers_429_with_retry_after(checkpoints) -> None:
+    gate = threading.Event()  # holds the engine in the first request's prefill: its slot stays taken
+
+    def load() -> SpeculativeDecoder:
+        decoder = SpeculativeDecoder.from_pretrained(
+            checkpoints[0], None, num_draft_tokens=0, max_batch_size=1, max_queue=1
+        )
+        step = decoder.target.step
+
+        def held_step(*args, **kwargs):
+            assert gate.wait(60), "the test never opened the gate"
+            return step(*args, **kwargs)
+
+        decoder.target.step = held_step
+        return decoder
+
+    body = {"prompt": "a", "max_tokens": 8, "temperature": 0}
+    with serve(load, api_key=None) as served:
+        scheduler = served.decoder.scheduler
+        answers: list[int] = []
+
+        def post() -> None:
+            answers.append(served.http.post("/v1/completions", json=body).status_code)
+
+        first, second = threading.Thread(target=post), threading.Thread(target=post)
+        first.start()
+        wait_until(lambda: scheduler.num_running == 1, "the first request was not admitted")
+        second.start()
+        wait_until(lambda: scheduler.num_waiting == 1, "the second request was not queued")
+        refused = served.http.post("/v1/completions", json=body)
+        gate.set()
+        first.join(), second.join()
+        assert refused.status_code == 429
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert answers == [200, 200]  # the running and the queued request were served
+        assert served.http.post("/v1/completions", json=body).status_code == 200
+
+
+def test_health_and_requests_answer_503_while_loading(checkpoints) -> None:
+    release = threading.Event()
+
+    def load() -> SpeculativeDecoder:
+        release.wait(30)
+        return SpeculativeDecoder.from_pretrained(checkpoints[0], None, num_draft_tokens=0)
+
+    with serve(load, api_key=None, wait_ready=False) as served:
+        health = served.http.get("/health")
+        assert (health.status_code, health.json()["status"]) == (503, "loading")
+        refused = served.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+        release.set()
+        wait_until(lambda: served.http.get("/health").status_code == 200, "never ready")
+        assert served.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
