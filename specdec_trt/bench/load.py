@@ -1,9 +1,11 @@
-"""Load generation for serving benchmarks: closed-loop clients, and the latency figures of what they saw.
+"""Load generation for serving benchmarks: closed-loop clients, Poisson arrivals, and the latency figures of
+what they saw.
 
-A client sends a request, reads its stream to the end, and sends the next; ``concurrency`` clients do so at
-once until the requests run out. Each request records when it was sent, when each streamed piece arrived and
-how many tokens it produced, so time to first token, inter-token latency (the gap between successive
-pieces, as vLLM's serving benchmark counts it) and end-to-end latency come from the client's side.
+A closed-loop client sends a request, reads its stream to the end, and sends the next; ``concurrency``
+clients do so at once until the requests run out. Open-loop arrivals come at a Poisson rate instead, whatever
+the server's backlog, as a service's users do. Each request records when it was sent, when each streamed
+piece arrived and how many tokens it produced, so time to first token, inter-token latency (the gap between
+successive pieces, as vLLM's serving benchmark counts it) and end-to-end latency come from the client's side.
 """
 
 from __future__ import annotations
@@ -48,38 +50,71 @@ def timed(pieces: Iterable[object]) -> tuple[RequestTiming, list[object]]:
     return timing, received
 
 
+class _Outcomes:
+    """The timings of a load's requests, in request order, and the errors their sends raised."""
+
+    def __init__(self, count: int) -> None:
+        self.timings: list[RequestTiming | None] = [None] * count
+        self.errors: list[BaseException] = []
+
+    def send(self, send: Callable[[object], RequestTiming], requests: Sequence[object], index: int) -> bool:
+        """Send request ``index``; whether it succeeded (a failure is reported once every thread ends)."""
+        try:
+            self.timings[index] = send(requests[index])
+            return True
+        except BaseException as error:  # noqa: BLE001 - raised by ``gathered``
+            self.errors.append(error)
+            return False
+
+    def gathered(self, threads: list[threading.Thread], start: float) -> tuple[list[RequestTiming], float]:
+        """Wait for ``threads``; the timings and the seconds since ``start``, or the first error."""
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+        if self.errors:
+            raise self.errors[0]
+        return [t for t in self.timings if t is not None], wall
+
+
 def closed_loop(
     send: Callable[[object], RequestTiming], requests: Sequence[object], concurrency: int
 ) -> tuple[list[RequestTiming], float]:
     """Serve ``requests`` with ``concurrency`` closed-loop clients calling ``send``; the timings (in request
     order) and the wall-clock seconds from the first send to the last answer."""
-    results: list[RequestTiming | None] = [None] * len(requests)
+    outcomes = _Outcomes(len(requests))
     pending: Iterator[int] = iter(range(len(requests)))
     lock = threading.Lock()
-    errors: list[BaseException] = []
 
     def client() -> None:
         while True:
             with lock:
                 index = next(pending, None)
-            if index is None:
-                return
-            try:
-                results[index] = send(requests[index])
-            except BaseException as error:  # noqa: BLE001 - reported after the clients stop
-                errors.append(error)
+            if index is None or not outcomes.send(send, requests, index):
                 return
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for thread in threads:
         thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
-    if errors:
-        raise errors[0]
-    return [r for r in results if r is not None], wall
+    return outcomes.gathered(threads, start)
+
+
+def open_loop(
+    send: Callable[[object], RequestTiming], requests: Sequence[object], rate: float, seed: int = 0
+) -> tuple[list[RequestTiming], float]:
+    """Send ``requests`` as Poisson arrivals at ``rate`` per second (exponential gaps, seeded), each in its own
+    thread whatever the server's backlog; the timings (in request order) and the wall-clock seconds from the
+    first send to the last answer."""
+    gaps = np.random.default_rng(seed).exponential(1 / rate, len(requests))
+    outcomes = _Outcomes(len(requests))
+    start = time.perf_counter()
+    threads = []
+    for index, gap in enumerate(gaps):
+        if index:
+            time.sleep(float(gap))
+        threads.append(threading.Thread(target=outcomes.send, args=(send, requests, index)))
+        threads[-1].start()
+    return outcomes.gathered(threads, start)
 
 
 def percentiles(values: Sequence[float]) -> dict[str, float | None]:

@@ -1,0 +1,54 @@
+"""One streamed request to an OpenAI-compatible ``/v1/completions``, timed as a client sees it.
+
+Every server-sent event that carries text stamps an arrival. The tokens are counted from the response's
+``usage`` (``stream_options.include_usage``); a server that sends no usage when streaming (llama_cpp.server)
+has its text counted by ``count_tokens`` instead, with the same tokenizer, so no count comes from the number
+of chunks (one chunk may carry several tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+import httpx
+
+from specdec_trt.bench.load import RequestTiming
+
+
+class ServerResponseError(RuntimeError):
+    """A request the server answered with an error status or a malformed stream."""
+
+
+def stream_completion(
+    client: httpx.Client, body: dict, count_tokens: Callable[[str], int] | None = None
+) -> tuple[RequestTiming, str]:
+    """POST ``body`` (with ``"stream": true``) to ``/v1/completions``; the timing and the whole text."""
+    body = body | {"stream": True}
+    timing = RequestTiming(time.perf_counter())
+    pieces: list[str] = []
+    usage = None
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise ServerResponseError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise ServerResponseError(f"error in the stream: {chunk['error']}")
+            usage = chunk.get("usage") or usage
+            text = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
+            if text:
+                timing.arrivals.append(time.perf_counter())
+                pieces.append(text)
+    text = "".join(pieces)
+    if usage is not None:
+        timing.tokens = usage["completion_tokens"]
+    elif count_tokens is not None:
+        timing.tokens = count_tokens(text)
+    else:
+        raise ServerResponseError("the stream carried no usage and no tokenizer was given to count its text")
+    timing.ok = bool(timing.arrivals)
+    return timing, text

@@ -1,0 +1,100 @@
+"""The serving benchmark's parts: Poisson arrivals, the streamed-completion client against a real
+specdec-serve app on 127.0.0.1 (tokens from usage, or counted from the text where a server sends none), and
+server processes that are waited for and always stopped."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from serving import serve
+
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.load import RequestTiming, open_loop
+from specdec_trt.bench.openai_client import ServerResponseError, stream_completion
+from specdec_trt.bench.servers import ServerStartError, free_port, running
+
+
+def test_open_loop_sends_every_request_no_sooner_than_its_poisson_arrival() -> None:
+    sent: list[tuple[int, float]] = []
+    lock = threading.Lock()
+
+    def send(index: int) -> RequestTiming:
+        now = time.perf_counter()
+        with lock:
+            sent.append((index, now))
+        time.sleep(0.05)  # slower than the arrivals: requests overlap, as under an open-loop load
+        return RequestTiming(now, [now + 0.05], tokens=index)
+
+    rate, count, seed = 40.0, 12, 3
+    start = time.perf_counter()
+    timings, wall = open_loop(send, list(range(count)), rate, seed)
+    gaps = np.random.default_rng(seed).exponential(1 / rate, count)
+    assert [t.tokens for t in timings] == list(range(count))  # in request order
+    by_index = dict(sent)
+    for index in range(1, count):  # request i leaves no sooner than the sum of the gaps before it
+        assert by_index[index] - start >= gaps[1 : index + 1].sum() - 1e-3
+    assert wall >= gaps[1:].sum() + 0.05 - 1e-3
+    assert max(by_index.values()) - min(by_index.values()) < wall
+
+
+def test_open_loop_reports_a_failed_send() -> None:
+    def send(index: int) -> RequestTiming:
+        raise RuntimeError(f"request {index} failed")
+
+    with pytest.raises(RuntimeError, match="failed"):
+        open_loop(send, [0, 1], 100.0)
+
+
+@pytest.fixture(scope="module")
+def served(make_checkpoint):
+    target = make_checkpoint(family="llama")
+
+    def load() -> SpeculativeDecoder:
+        return SpeculativeDecoder.from_pretrained(target, num_draft_tokens=0, max_batch_size=2)
+
+    with serve(load, api_key=None) as server:
+        yield server
+
+
+def test_stream_completion_counts_tokens_from_usage(served) -> None:
+    expected = served.decoder.generate("the cat", SamplingParams(max_new_tokens=12, ignore_eos=True))
+    body = {"prompt": "the cat", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        timing, text = stream_completion(client, body | {"stream_options": {"include_usage": True}})
+    assert text == expected.text
+    assert timing.tokens == len(expected.token_ids) == 12
+    assert timing.ok and timing.arrivals and timing.arrivals == sorted(timing.arrivals)
+    assert timing.ttft > 0 and timing.latency >= timing.ttft
+
+
+def test_stream_completion_without_usage_counts_the_text_or_refuses(served) -> None:
+    body = {"prompt": "hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        timing, text = stream_completion(client, body, count_tokens=len)
+        assert timing.tokens == len(text) > 0
+        with pytest.raises(ServerResponseError, match="no usage"):
+            stream_completion(client, body)
+        with pytest.raises(ServerResponseError, match="HTTP 400"):
+            stream_completion(client, body | {"max_tokens": -1})
+
+
+def test_running_waits_for_the_server_and_stops_it(tmp_path: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1", "--directory", str(tmp_path)]
+    with running("files", argv, port, "/", tmp_path / "log" / "files.log") as server:
+        assert httpx.get(server.url + "/", timeout=5).status_code == 200
+    with pytest.raises(httpx.TransportError):
+        httpx.get(server.url + "/", timeout=2)
+
+
+def test_running_reports_a_server_that_exits_before_it_is_ready(tmp_path: Path) -> None:
+    argv = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    with pytest.raises(ServerStartError, match="exited with status 3"):
+        with running("broken", argv, free_port(), "/", tmp_path / "broken.log"):
+            pass
