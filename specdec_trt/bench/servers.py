@@ -62,6 +62,8 @@ def llama_cpp_argv(gguf: Path, port: int, threads: int, prompt_lookup: int | Non
         *("-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
         *("--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx)),
         *("--verbose", "False"),
+        # By default a new request interrupts the one streaming: every request must run to its end here.
+        *("--interrupt_requests", "False"),
     ]
     if prompt_lookup:
         argv += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(prompt_lookup)]
