@@ -148,8 +148,7 @@ _TYPE_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a 
 
 
 def _json_type(value: object) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array"}
-    return names.get(type(value), "an object")
+    return (_TYPE_NAMES | {list: "an array"}).get(type(value), "an object")
 
 
 def _prompt(body: dict) -> str | list[int]:
