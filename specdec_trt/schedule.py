@@ -1,11 +1,15 @@
-"""Acceptance-driven draft length ("auto" gamma): whether and how far each round drafts, for the most tokens/s.
+"""Acceptance-driven draft length ("auto" gamma): which rows draft in a round, and how far, for the most tokens/s.
 
-A round that drafts g tokens takes time(g) = [g > 0] (d + c g) + a + b g (drafting, then verifying g + 1
-tokens; both lines fitted by decayed least squares) and yields tokens(g) = sum over active rows of
-1 + p_1 + p_1 p_2 + ... + p_1 ... p_g, where p_i is the row's acceptance of its i-th draft given the ones
-before it were accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence
-decays per drafted token, so the estimates follow the text. The chosen g maximises tokens(g) / time(g); g = 0
-is a plain step, and at least every ``probe_every``-th round drafts so acceptance keeps being measured.
+A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n max(g, w) (drafting
+over those j rows, then verifying the pass of n rows, as wide as its widest row: w is what the other rows of the
+pass draft anyway; every line fitted by decayed least squares per number of rows) and yields the pass's tokens:
+the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ... p_g if it drafts and 1 if not,
+where p_i is the row's acceptance of its i-th draft given the ones before it were accepted (acceptance is
+bursty, so later drafts pass more often than the first). The evidence decays per drafted token, so the
+estimates follow the text. The plan maximises the pass's tokens / time over g and over j, the rows expected to
+gain most drafting; g = 0 is a plain step, and at least every ``probe_every``-th round drafts so acceptance
+keeps being measured. Counting the whole pass matters under load: a plain round of a full batch yields a token
+per row, and a draft that pays beside one row's token rarely pays beside eight.
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
 the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
@@ -15,6 +19,7 @@ calibrated against the verifier's verdicts. The controller is deterministic give
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -120,6 +125,17 @@ def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
     return float(max(value[0], 0.0)), float(max(value[1], 0.0))
 
 
+@dataclass(frozen=True)
+class PassContext:
+    """The verify pass a kind of draft plans its rows into: ``rows`` in the pass, and what the pass's other
+    rows bring to the round whatever these rows draft: their expected ``tokens`` and the ``width`` of their
+    drafts (the pass is as wide as its widest row)."""
+
+    rows: int
+    tokens: float = 0.0
+    width: int = 0
+
+
 class DraftLengthController:
     """Chooses the draft length of each round of one kind of draft, for the rows drafting with it, from each
     row's own acceptance evidence and the costs measured at that number of rows."""
@@ -163,53 +179,70 @@ class DraftLengthController:
         """Acceptance of a draft token per confidence bin (``CONFIDENCE_BINS``), shrunk to the bin's middle."""
         return (CALIBRATION_SHRINK * CONFIDENCE_PRIOR + self.judged_accepted) / (CALIBRATION_SHRINK + self.judged)
 
-    def expected_tokens(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
-        """tokens(g) for g = 0 .. max_draft: the expected tokens of a round, summed over the rows."""
+    def row_tokens(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
+        """[rows, max_draft + 1]: each row's expected tokens of a round drafting g = 0 .. max_draft."""
         p = self.position_acceptance(rows)
         reach = np.cumprod(np.concatenate([np.ones((len(p), 1)), p], axis=1), axis=1)
-        return np.cumsum(reach, axis=1).sum(0)
+        return np.cumsum(reach, axis=1)
 
-    def round_time(self, rows: int, pass_rows: int | None = None) -> np.ndarray:
-        """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in a pass of ``pass_rows``."""
+    def expected_tokens(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
+        """tokens(g) for g = 0 .. max_draft: the expected tokens of a round in which every row drafts g."""
+        return self.row_tokens(rows).sum(0)
+
+    def round_time(self, rows: int, pass_rows: int | None = None, width: int = 0) -> np.ndarray:
+        """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in a pass of ``pass_rows``
+        (default: these) whose other rows draft ``width`` tokens."""
         (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(pass_rows or rows)
         g = np.arange(self.max_draft + 1)
-        return (g > 0) * d + g * (c + b) + a
+        return (g > 0) * (d + c * g) + a + b * np.maximum(g, width)
 
-    def rates(self, rows: Sequence[AcceptanceEvidence], pass_rows: int | None = None) -> np.ndarray:
-        """tokens(g) / time(g) for g = 0 .. max_draft: the expected tokens per second."""
-        return self.expected_tokens(rows) / np.maximum(self.round_time(len(rows), pass_rows), 1e-12)
+    def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
+        """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
+        from it draft g tokens (row j = 0 and column g = 0: a plain round for these rows)."""
+        context = context or PassContext(len(rows))
+        gain = -np.sort(-(self.row_tokens(rows) - 1.0), axis=0)  # per g, the rows gaining most first
+        tokens = context.tokens + len(rows) + np.vstack([np.zeros(self.max_draft + 1), np.cumsum(gain, axis=0)])
+        times = [self.round_time(max(j, 1), context.rows, context.width) for j in range(len(rows) + 1)]
+        times[0] = np.full(self.max_draft + 1, times[0][0])
+        return tokens / np.maximum(np.stack(times), 1e-12)
 
-    def choose(self, rows: Sequence[AcceptanceEvidence], remaining: int, pass_rows: int | None = None) -> int:
-        """The draft length of the next round, at most: a draft that reports its confidence is asked for up
-        to the limit whenever drafting pays, and ``stop_rule`` ends the round. ``remaining``: drafts that can
-        still be used (tokens still needed by the longest row, less the target's own token). ``pass_rows``:
-        the rows of the verify pass, when other rows share it (default: these)."""
+    def plan(self, rows: Sequence[AcceptanceEvidence], remaining: int, context: PassContext | None = None) -> list[int]:
+        """The draft length of each row in the next round, at most: the rows expected to gain most draft
+        alike and the others none (a draft that reports its confidence is asked for up to the limit whenever
+        drafting pays, and ``stop_rule`` ends the round). ``remaining``: drafts that can still be used (tokens
+        still needed by the longest row, less the target's own token). ``context``: the pass these rows join
+        (default: just these rows)."""
         limit = min(self.max_draft, remaining)
         if limit <= 0 or not rows:
-            return 0
+            return [0] * len(rows)
         if self.rounds == 0:
-            gamma = min(self.first, limit)
+            lengths = [min(self.first, limit)] * len(rows)
         else:
             low = 1 if self.plain_streak >= self.probe_every - 1 else 0
-            gamma = low + int(np.argmax(self.rates(rows, pass_rows)[low : limit + 1]))
-            if gamma and self.reports_confidence:
-                gamma = limit
-        self.plain_streak = self.plain_streak + 1 if gamma == 0 else 0
-        return gamma
+            rates = self.rates(rows, context)[low:, low : limit + 1]
+            j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(rates)), rates.shape))
+            order = np.argsort(-self.row_tokens(rows)[:, gamma], kind="stable")
+            drafting = set(order[:j].tolist()) if gamma else set()
+            gamma = limit if gamma and self.reports_confidence else gamma
+            lengths = [gamma if r in drafting else 0 for r in range(len(rows))]
+        self.plain_streak = 0 if any(lengths) else self.plain_streak + 1
+        return lengths
 
     def stop_rule(
         self,
         slots: Sequence[int],
         rows: Sequence[AcceptanceEvidence],
-        pass_rows: int | None = None,
+        context: PassContext | None = None,
         exempt: Sequence[int] = (),
     ) -> CostAwareStop:
-        """The rule that ends the next round of the rows in ``slots`` (with evidence ``rows``) once another
-        draft token is worth less than it costs (never before a round was timed); a row of an ``exempt``
-        slot (one that drafts a fixed number) keeps the round going while it drafts."""
+        """The rule that ends the next round of the drafting rows in ``slots`` (with evidence ``rows``, in the
+        pass ``context``) once another draft token is worth less than it costs (never before a round was
+        timed); a row of an ``exempt`` slot (one that drafts a fixed number) keeps the round going while it
+        drafts."""
+        context = context or PassContext(len(rows))
         _, c = self.costs.draft_cost(len(rows))
-        _, b = self.costs.verify_cost(pass_rows or len(rows))
-        threshold = float(self.rates(rows, pass_rows).max()) * (c + b) if self.rounds else 0.0
+        _, b = self.costs.verify_cost(context.rows)
+        threshold = float(self.rates(rows, context)[-1].max()) * (c + b) if self.rounds else 0.0
         pooled = dict(zip(slots, self.acceptance(rows)))
         return CostAwareStop(self.calibrated_acceptance(), pooled, threshold, exempt)
 
@@ -218,15 +251,17 @@ class DraftLengthController:
         num_drafted: Sequence[int] | int,
         num_accepted: Sequence[int],
         rows: Sequence[AcceptanceEvidence],
-        draft_s: float,
+        draft_s: float | None,
         verify_s: float,
         confidence: np.ndarray | None = None,
         pass_rows: int | None = None,
+        pass_width: int | None = None,
     ) -> None:
         """Record a round: row r drafted ``num_drafted[r]`` tokens (one number: all rows alike; maybe fewer
-        than chosen: an early stop) and accepted ``num_accepted[r]``. Times in seconds, of the round's
-        drafting and of its verify pass over ``pass_rows`` rows (default: these). ``confidence`` [rows, k]:
-        the draft's probability of each token it drafted, if known."""
+        than chosen: an early stop) and accepted ``num_accepted[r]``. Times in seconds, of these rows'
+        drafting (None: not known apart from other drafting in the round) and of the verify pass over
+        ``pass_rows`` rows with ``pass_width`` drafts in its widest row (defaults: these rows').
+        ``confidence`` [rows, k]: the draft's probability of each token it drafted, if known."""
         self.rounds += 1
         drafted = np.broadcast_to(np.asarray(num_drafted, dtype=np.int64), (len(rows),))
         accepted = np.asarray(num_accepted, dtype=float)
@@ -238,9 +273,9 @@ class DraftLengthController:
             fade = self.decay ** max(int(count), 1)  # a plain round fades the evidence as one draft would
             row.reached = fade * row.reached + r_reached
             row.passed = fade * row.passed + r_passed
-        if widest:
-            self.costs.add_draft(len(rows), widest, draft_s)
-        self.costs.add_verify(pass_rows or len(rows), widest, verify_s)
+        if widest and draft_s is not None:
+            self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
+        self.costs.add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
         fade = self.decay ** max(widest, 1)
         self.judged *= fade
         self.judged_accepted *= fade

@@ -5,9 +5,11 @@
 not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of it:
 
 1. takes in submissions and cancellations, and admits waiting requests into free slots (FIFO);
-2. prefills one chunk: up to ``prefill_chunk`` prompt tokens over the requests being admitted, in one pass,
-   so that a long prompt delays the running requests by one chunk per round, never by its whole prefill
-   (with no request decoding there is nobody to delay, and every admitted prompt is prefilled at once);
+2. prefills one chunk over the requests being admitted, in one pass: up to ``prefill_chunk`` prompt tokens,
+   fewer where a chunk that long would take longer than a round (timed as they run, never under
+   ``MIN_PREFILL_CHUNK``), so that a long prompt delays the running requests by about one round per round,
+   never by its whole prefill (with no request decoding there is nobody to delay, and every admitted prompt
+   is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", chosen per kind of draft for the most tokens per second of the whole
    batch from each request's own acceptance and a cost model fitted per number of rows;
@@ -36,14 +38,15 @@ from transformers import PreTrainedTokenizerBase
 from specdec_trt.drafting import LOOKUP, MODEL, Drafter, StopRule, confidence_below, pad_right
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
-from specdec_trt.schedule import AcceptanceEvidence, DraftLengthController
+from specdec_trt.schedule import TIME_DECAY, AcceptanceEvidence, DecayedLine, DraftLengthController, PassContext
 from specdec_trt.speculation import speculative_round
 from specdec_trt.stats import GenerationStats
 from specdec_trt.text import TextTracker
 
 AUTO = "auto"
 DraftLength = int | str  # a number of drafts per round, or AUTO
-DEFAULT_PREFILL_CHUNK = 256  # prompt tokens prefilled per engine step, over all requests being admitted
+DEFAULT_PREFILL_CHUNK = 256  # the most prompt tokens prefilled per engine step, over the requests being admitted
+MIN_PREFILL_CHUNK = 16  # the fewest, however slow a prefill is next to a round
 FIRST_SLOTS = 8  # slots reserved at first when the number of slots is not bounded (it doubles as needed)
 PROFILE_CONTEXT = 32  # cached tokens behind each step the start-up profile times
 PROFILE_REPEATS = 2
@@ -234,6 +237,8 @@ class Scheduler:
         self.draft_confidence_threshold = draft_confidence_threshold
         self.max_context = min(m for m in (target.max_context, drafter and drafter.max_context) if m)
         self.controllers = {part: DraftLengthController(max_auto_draft) for part in (MODEL, LOOKUP)}
+        self._prefill_cost = DecayedLine(TIME_DECAY, through_origin=True)  # seconds of a prefill pass by tokens
+        self._round_s: float | None = None  # decayed mean seconds of a round
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -351,7 +356,7 @@ class Scheduler:
                         self._finish(request)
 
     def _step(self) -> None:
-        budget = self.prefill_chunk if any(r.decoding for r in self._active.values()) else None
+        budget = self._chunk_budget() if any(r.decoding for r in self._active.values()) else None
         self._admit(budget)
         prefilling = [r for r in self._active.values() if not r.decoding and r.finish_reason is None]
         if prefilling:
@@ -359,6 +364,16 @@ class Scheduler:
         decoding = [r for r in self._active.values() if r.decoding]
         if decoding:
             self._round(decoding)
+
+    def _chunk_budget(self) -> int:
+        """Prompt tokens of the next prefill chunk beside decoding requests: as many as take about a round's
+        time (from the prefill passes and rounds timed so far), between ``MIN_PREFILL_CHUNK`` and
+        ``prefill_chunk``."""
+        fixed, per_token = self._prefill_cost.coefficients()
+        if self._round_s is None or per_token <= 0:
+            return self.prefill_chunk
+        fitting = int((self._round_s - fixed) / per_token)
+        return min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
 
     def _admit(self, budget: int | None) -> None:
         """Waiting requests into free slots, in order, while the next prefill chunk (``budget`` tokens, None:
@@ -432,12 +447,14 @@ class Scheduler:
             budget = None if budget is None else budget - len(chunk)
         sizes = [len(c) for c in chunks]
         block = torch.tensor(pad_right(chunks))
+        start = time.perf_counter()
         logits = self.target.step([r.slot for r in rows], block, sizes, [n - 1 for n in sizes])
         drafting = [(r.slot, c) for r, c in zip(rows, chunks) if r.drafts and self.drafter is not None]
         tick = time.perf_counter()
         if drafting:
             self.drafter.prefill(*zip(*drafting))
         draft_s = time.perf_counter() - tick
+        self._prefill_cost.add(sum(sizes), time.perf_counter() - start)
         complete = []
         for i, (request, chunk) in enumerate(zip(rows, chunks)):
             request.prefilled += len(chunk)
@@ -464,26 +481,15 @@ class Scheduler:
         limits = [0 if r.num_draft_tokens == AUTO else min(r.num_draft_tokens, r.remaining - 1, room) for r in rows]
         auto = [i for i, r in enumerate(rows) if r.num_draft_tokens == AUTO]
         parts = dict(zip(auto, self.drafter.parts([sequences[i] for i in auto]))) if auto else {}
-        fixed_slots = [r.slot for r, k in zip(rows, limits) if k > 0]
-        stop_rules: dict[str, StopRule] = {}
-        for part, controller in self.controllers.items():
-            members = [i for i in auto if parts[i] == part]
-            if not members:
-                continue
-            evidence = [rows[i].evidence.setdefault(part, controller.evidence()) for i in members]
-            needed = max(rows[i].remaining - 1 for i in members)
-            chosen = controller.choose(evidence, min(needed, room), pass_rows=len(rows))
-            for i in members:
-                limits[i] = min(chosen, rows[i].remaining - 1, room)
-            if chosen:
-                members_slots = [slots[i] for i in members]
-                stop_rules[part] = self._stop_rule(controller, part, members_slots, evidence, len(rows), fixed_slots)
+        stop_rules = self._plan_auto(rows, auto, parts, limits, room) if auto else {}
         sampler = BatchSampler([r.params for r in rows], self.target.device, [r.generator for r in rows])
         result = speculative_round(self.target, self.drafter, slots, sequences, limits, sampler, stop_rules or None)
         if self.events is not None:
             self.events += [("round", r.request_id) for r in rows]
+        seconds = result.draft_s + result.verify_s
+        self._round_s = seconds if self._round_s is None else TIME_DECAY * self._round_s + (1 - TIME_DECAY) * seconds
         if self.on_round is not None:
-            self.on_round(result.draft_s + result.verify_s, list(result.num_drafted))
+            self.on_round(seconds, list(result.num_drafted))
         self._observe(rows, auto, parts, result)
         for request, tokens, drafted, accepted in zip(rows, result.tokens, result.num_drafted, result.num_accepted):
             request.stats.record_round(drafted, accepted)
@@ -492,37 +498,79 @@ class Scheduler:
             request.extend(tokens)
             self._emit(request)
 
+    def _plan_auto(
+        self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int
+    ) -> dict[str, StopRule]:
+        """Fill in ``limits`` for the auto rows, kind of draft by kind of draft, each planned into the pass as
+        the others leave it: prompt lookup first (its drafts cost nearly nothing to make), then the model's
+        rows around the width lookup's take. The stop rules of the kinds that draft."""
+        fixed_slots = [r.slot for r, k in zip(rows, limits) if k > 0]
+        members = {part: [i for i in auto if parts[i] == part] for part in (LOOKUP, MODEL)}
+        planned_tokens = float(len(rows) - len(auto))  # the other rows' own tokens, at least
+        unplanned = len(auto)
+        stop_rules: dict[str, StopRule] = {}
+        for part, indices in members.items():
+            if not indices:
+                continue
+            controller = self.controllers[part]
+            evidence = [rows[i].evidence.setdefault(part, controller.evidence()) for i in indices]
+            unplanned -= len(indices)  # the rows of kinds planned later count their own token
+            context = PassContext(len(rows), planned_tokens + unplanned, max(limits))
+            needed = max(rows[i].remaining - 1 for i in indices)
+            lengths = controller.plan(evidence, min(needed, room), context)
+            for i, length in zip(indices, lengths):
+                limits[i] = min(length, rows[i].remaining - 1, room)
+            drafting = [n for n, i in enumerate(indices) if limits[i] > 0]
+            tokens = controller.row_tokens(evidence)
+            planned_tokens += float(sum(tokens[n, limits[i]] for n, i in enumerate(indices)))
+            if drafting:
+                slots = [rows[indices[n]].slot for n in drafting]
+                stop_context = PassContext(len(rows), context.tokens + len(indices) - len(drafting), context.width)
+                rule = self._stop_rule(
+                    controller, part, slots, [evidence[n] for n in drafting], stop_context, fixed_slots
+                )
+                if rule is not None:
+                    stop_rules[part] = rule
+        return stop_rules
+
     def _stop_rule(
         self,
         controller: DraftLengthController,
         part: str,
         slots: list[int],
         evidence: list[AcceptanceEvidence],
-        pass_rows: int,
+        context: PassContext,
         fixed_slots: list[int],
     ) -> StopRule | None:
         """Auto's cost-aware stop, or the fixed confidence cut-off for a model draft (a probability threshold
         means nothing for prompt lookup's rounds, which then draft the chosen length); rows with a fixed draft
         length keep a round going while they draft."""
         if self.draft_confidence_threshold is None:
-            return controller.stop_rule(slots, evidence, pass_rows, fixed_slots)
+            return controller.stop_rule(slots, evidence, context, fixed_slots)
         return None if part == LOOKUP else confidence_below(self.draft_confidence_threshold, fixed_slots)
 
     def _observe(self, rows: list[_Request], auto: list[int], parts: dict[int, str], result) -> None:
-        """Feed each kind of draft's controller its rows' drafts, acceptances, confidences and the round's times."""
+        """Feed each kind of draft's controller its rows' drafts, acceptances, confidences and the round's
+        times. The round's drafting seconds are a kind's when no other row drafted, except that the model's
+        rows take them beside prompt lookup's, whose search on the host is small next to a model step."""
         confidence = None if result.confidence is None else result.confidence.get().numpy()
+        width = max(result.num_drafted, default=0)
         for part, controller in self.controllers.items():
             members = [i for i in auto if parts[i] == part]
-            if members:
-                controller.observe(
-                    [result.num_drafted[i] for i in members],
-                    [result.num_accepted[i] for i in members],
-                    [rows[i].evidence[part] for i in members],
-                    result.draft_s,
-                    result.verify_s,
-                    None if confidence is None else confidence[members],
-                    pass_rows=len(rows),
-                )
+            if not members:
+                continue
+            besides = {i for i in auto if part == MODEL and parts[i] == LOOKUP} | set(members)
+            alone = not any(n and i not in besides for i, n in enumerate(result.num_drafted))
+            controller.observe(
+                [result.num_drafted[i] for i in members],
+                [result.num_accepted[i] for i in members],
+                [rows[i].evidence[part] for i in members],
+                result.draft_s if alone else None,
+                result.verify_s,
+                None if confidence is None else confidence[members],
+                pass_rows=len(rows),
+                pass_width=width,
+            )
 
     def _emit(self, request: _Request) -> None:
         """Push the request's new stable text; release and complete it if it has ended."""

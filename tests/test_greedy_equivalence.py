@@ -157,14 +157,14 @@ class ScriptedSchedule(DraftLengthController):
         super().__init__(max_draft)
         self.round = 0
 
-    def choose(self, rows, remaining: int, pass_rows: int | None = None) -> int:
+    def plan(self, rows, remaining: int, context=None) -> list[int]:
         self.round += 1
-        return min(SCRIPT[(self.round - 1) % len(SCRIPT)], self.max_draft, remaining)
+        return [min(SCRIPT[(self.round - 1) % len(SCRIPT)], self.max_draft, remaining)] * len(rows)
 
     def observe(self, *args, **kwargs) -> None:
         pass
 
-    def stop_rule(self, slots, rows, pass_rows=None, exempt=()) -> StopRule:
+    def stop_rule(self, slots, rows, context=None, exempt=()) -> StopRule:
         return confidence_below(0.3, exempt)  # cuts rounds after tokens the draft is unconfident about
 
 

@@ -363,7 +363,7 @@ def test_replayed_sampled_self_draft_rounds_follow_the_decoder_in_distribution(
     as for greedy output, are rejected."""
     decoder, _ = lossless_int4
     target, draft = decoder.target, decoder.drafter.engine
-    # One request at a time: in a batch, auto chooses one draft length for the rows drafting alike. Each with
+    # One request at a time: in a batch, auto plans each row beside the others in the pass. Each with
     # fresh auto controllers: a decoder's learn across its requests, and the replay starts every generation
     # with fresh ones.
     speculative = []

@@ -22,6 +22,7 @@ from specdec_trt.schedule import (
     PROBE_EVERY,
     AcceptanceEvidence,
     DraftLengthController,
+    PassContext,
 )
 
 MAX = 8
@@ -45,7 +46,7 @@ def feed(
     per token and verifying in a + b * gamma seconds. Returns the chosen draft lengths."""
     chosen = []
     for _ in range(rounds):
-        gamma = controller.choose(rows, 100)
+        gamma = max(controller.plan(rows, 100))
         chosen.append(gamma)
         accepted = [int(accept * gamma)] * len(rows)
         a, b = verify_s
@@ -56,7 +57,7 @@ def feed(
 def test_first_round_is_the_default_clamped_to_max_and_remaining() -> None:
     def first(max_draft: int, remaining: int) -> int:
         controller = DraftLengthController(max_draft)
-        return controller.choose(evidence(controller), remaining)
+        return controller.plan(evidence(controller), remaining)[0]
 
     assert first(MAX, 100) == FIRST_DRAFT_LENGTH
     assert first(2, 100) == 2
@@ -85,9 +86,9 @@ def test_clamped_to_the_max_draft_and_the_tokens_still_needed() -> None:
     controller = DraftLengthController(3)
     rows = evidence(controller)
     feed(controller, rows, 6, accept=1.0, draft_step_s=0.001)
-    assert controller.choose(rows, 100) == 3
-    assert controller.choose(rows, 2) == 2
-    assert controller.choose(rows, 0) == 0
+    assert controller.plan(rows, 100) == [3]
+    assert controller.plan(rows, 2) == [2]
+    assert controller.plan(rows, 0) == [0]
 
 
 def test_never_stuck_at_plain_steps() -> None:
@@ -160,7 +161,7 @@ def test_bursty_acceptance_drafts_longer_than_a_single_rate_would() -> None:
     p = controller.acceptance(rows)[0]
     time = controller.round_time(1)
     single_rate = int(np.argmax([(1 - p ** (g + 1)) / (1 - p) / time[g] for g in range(MAX + 1)]))
-    assert controller.choose(rows, 100) > single_rate
+    assert controller.plan(rows, 100)[0] > single_rate
 
 
 def test_short_drafts_do_not_starve_the_estimate() -> None:
@@ -223,19 +224,83 @@ def test_a_fixed_drafting_cost_per_round_is_separated_from_the_per_token_cost() 
 
 
 def test_choice_maximises_expected_tokens_per_second() -> None:
-    """The choice is the argmax of sum_r (1 + p_r1 + p_r1 p_r2 + ...) / time(g), written out here."""
+    """The plan is the argmax over g and over the j rows gaining most of the pass's tokens
+    (sum_r 1 + [r drafts] (p_r1 + p_r1 p_r2 + ...)) / time(j, g), written out here."""
     controller = DraftLengthController(MAX)
     rows = evidence(controller, 2)
     feed(controller, rows, 3, accept=0.5, draft_step_s=0.03)
     controller.observe(4, [4, 0], rows, 0.12, 0.12)  # the rows now differ
     p = controller.position_acceptance(rows)
 
-    def rate(picked: list[int], g: int) -> float:
-        time = controller.round_time(len(picked))
-        return sum(1 + sum(np.prod(p[r, :j]) for j in range(1, g + 1)) for r in picked) / time[g]
+    def tokens(r: int, g: int) -> float:
+        return 1 + sum(np.prod(p[r, :i]) for i in range(1, g + 1))
 
-    assert controller.choose(rows, 100) == int(np.argmax([rate([0, 1], g) for g in range(MAX + 1)]))
-    assert controller.choose(rows[:1], 100) == int(np.argmax([rate([0], g) for g in range(MAX + 1)]))
+    def best(picked: list[int]) -> list[int]:
+        options = {}
+        subsets = [picked[:j] for j in range(1, len(picked) + 1)] + [picked[1:2]] * (len(picked) > 1)
+        for drafting in subsets:
+            time = controller.round_time(len(drafting))
+            for g in range(MAX + 1):
+                rate = sum(tokens(r, g if r in drafting else 0) for r in picked) / time[g]
+                options[(tuple(drafting) if g else (), g)] = rate
+        drafting, g = max(options, key=options.__getitem__)
+        return [g if r in drafting else 0 for r in picked]
+
+    assert controller.plan(rows, 100) == best([0, 1])
+    assert controller.plan(rows[:1], 100) == best([0])
+
+
+def test_a_full_pass_drafts_less_than_its_rows_alone_would() -> None:
+    """What drafting adds is weighed against the whole pass's tokens: three rows that would draft alone draft
+    nothing beside five plain rows in a pass where every draft widens an expensive verify."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller, 3)
+    for gamma in (1, 2, 4, 1, 2, 4):
+        controller.observe(gamma, [gamma // 2] * 3, rows, 0.002 + 0.004 * gamma, 0.03 + 0.004 * gamma, pass_rows=3)
+        controller.costs.add_verify(8, gamma, 0.04 + 0.012 * gamma)
+    controller.costs.add_verify(8, 0, 0.04)
+    assert max(controller.plan(rows, 100)) > 0  # alone
+    assert controller.plan(rows, 100, PassContext(8, tokens=5.0)) == [0, 0, 0]
+
+
+def test_rows_whose_drafts_do_not_pay_draft_none_beside_rows_whose_do() -> None:
+    """In one plan, a row whose drafts are always accepted drafts and a row whose drafts are always rejected
+    does not: its drafts would cost the draft's steps for it and add nothing."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller, 2)
+    for gamma in (2, 4, 2, 4, 2, 4):
+        controller.observe(gamma, [gamma, 0], rows, 0.01 + 0.01 * gamma, 0.05 + 0.002 * gamma)
+        controller.costs.add_draft(1, gamma, 0.005 + 0.005 * gamma)  # one row drafts at half the cost
+    lengths = controller.plan(rows, 100)
+    assert lengths[0] > 0 and lengths[1] == 0
+    assert controller.plan(rows[::-1], 100) == lengths[::-1]  # whatever the rows' order
+
+
+def test_drafts_no_wider_than_the_pass_cost_no_verify() -> None:
+    """Where other rows make the pass wide anyway, drafting up to that width costs only the draft's steps."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller)
+    for gamma in (1, 2, 4, 1, 2, 4):
+        controller.observe(gamma, [0], rows, 0.0005 * gamma, 0.05 + 0.02 * gamma)
+    (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
+    assert controller.round_time(1, width=4) == pytest.approx(
+        [a + 4 * b] + [d + c * g + a + b * max(g, 4) for g in range(1, MAX + 1)]
+    )
+    assert controller.plan(rows, 100) == [0]  # a wider pass costs more than the draft adds
+    assert controller.plan(rows, 100, PassContext(1, width=4)) in ([1], [2], [3], [4])
+
+
+def test_rounds_are_timed_at_the_pass_width_and_the_drafting_rows() -> None:
+    """The verify pass is timed against its widest row's drafts, drafting against the rows that drafted; a
+    round whose drafting seconds include other rows' drafting times only the pass."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller, 3)
+    controller.observe([2, 0, 0], [1, 0, 0], rows, 0.02, 0.3, pass_rows=5, pass_width=6)
+    controller.observe([0, 0, 0], [0, 0, 0], rows, None, 0.1, pass_rows=5, pass_width=0)
+    assert controller.costs.verify_cost(5) == pytest.approx((0.1, 0.2 / 6))
+    assert set(controller.costs.drafting) == {1} and controller.costs.draft_cost(1) == pytest.approx((0.0, 0.01))
+    controller.observe([4, 4, 0], [0, 0, 0], rows, None, 0.1, pass_rows=5, pass_width=4)
+    assert set(controller.costs.drafting) == {1}
 
 
 def test_confidence_is_calibrated_per_bin_on_the_drafts_the_verifier_judged() -> None:
@@ -264,15 +329,15 @@ def test_a_draft_reporting_confidence_is_asked_for_the_limit_and_prompt_lookup_f
         without.observe(2, [1], row, 0.02, 0.1 + 0.002 * 2)
     without.observe(1, [1], row, 0.01, 0.1 + 0.002)
     with_confidence.observe(1, [1], confident_row, 0.01, 0.1 + 0.002, np.array([[0.9]]))
-    chosen = int(np.argmax(without.rates(row)))
+    chosen = int(np.argmax(without.rates(row)[1]))
     assert 1 <= chosen < MAX
-    assert without.choose(row, 100) == chosen
-    assert with_confidence.choose(confident_row, 100) == MAX and with_confidence.choose(confident_row, 5) == 5
+    assert without.plan(row, 100) == [chosen]
+    assert with_confidence.plan(confident_row, 100) == [MAX] and with_confidence.plan(confident_row, 5) == [5]
     hopeless = DraftLengthController(MAX)
     hopeless_row = evidence(hopeless)
     feed(hopeless, hopeless_row, 12, accept=0.0, draft_step_s=0.08)
     hopeless.observe(1, [0], hopeless_row, 0.08, 0.1, np.array([[0.9]]))
-    assert 0 in [hopeless.choose(hopeless_row, 100) for _ in range(PROBE_EVERY)]
+    assert [0] in [hopeless.plan(hopeless_row, 100) for _ in range(PROBE_EVERY)]
 
 
 def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
@@ -288,7 +353,7 @@ def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
     slots, both = [0, 1], np.array([True, True])
     rule = controller.stop_rule(slots, rows)
     (_, c), (_, b) = controller.costs.draft_cost(2), controller.costs.verify_cost(2)
-    assert rule.threshold == pytest.approx(controller.rates(rows).max() * (c + b))
+    assert rule.threshold == pytest.approx(controller.rates(rows)[-1].max() * (c + b))
     calibrated, pooled = controller.calibrated_acceptance(), controller.acceptance(rows)
     confident, unconfident = calibrated[-1], calibrated[0]
     assert confident > 0.9 > 0.5 > unconfident  # the 0.99 drafts were always accepted, the 0.1 ones never
@@ -408,11 +473,11 @@ def test_prompt_lookup_ignores_the_threshold(make_checkpoint) -> None:
     scheduler = SpeculativeDecoder.from_pretrained(checkpoint, "ngram", draft_confidence_threshold=0.5).scheduler
     schedule = DraftLengthController(MAX)
     rows, slots, drafting = [schedule.evidence()], [0], np.array([True])
-    assert scheduler._stop_rule(schedule, LOOKUP, slots, rows, 1, []) is None
-    rule = scheduler._stop_rule(schedule, MODEL, slots, rows, 1, [])
+    assert scheduler._stop_rule(schedule, LOOKUP, slots, rows, PassContext(1), []) is None
+    rule = scheduler._stop_rule(schedule, MODEL, slots, rows, PassContext(1), [])
     assert rule(torch.tensor([0.4]), slots, drafting) and not rule(torch.tensor([0.6]), slots, drafting)
     uncut = SpeculativeDecoder.from_pretrained(checkpoint, "ngram").scheduler
-    assert uncut._stop_rule(schedule, LOOKUP, slots, rows, 1, []) is not None
+    assert uncut._stop_rule(schedule, LOOKUP, slots, rows, PassContext(1), []) is not None
 
 
 def test_auto_reserves_the_engine_limit_in_the_context_check(make_checkpoint) -> None:

@@ -134,7 +134,7 @@ def generation_seconds(
             return part, parts[part](committed, length, None) if length else Proposal(committed[:0])
         controller = controllers.setdefault(part, DraftLengthController(max_draft))
         row = evidence.setdefault(part, controller.evidence())
-        length = controller.choose([row], usable)
+        (length,) = controller.plan([row], usable)
         if not length:
             return part, Proposal(committed[:0])
         return part, parts[part](committed, length, controller.stop_rule([0], [row]))
