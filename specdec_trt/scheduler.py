@@ -11,8 +11,9 @@ not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of i
    never by its whole prefill (with no request decoding there is nobody to delay, and every admitted prompt
    is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
-   ``num_draft_tokens``, 0, or "auto", chosen per kind of draft for the most tokens per second of the whole
-   batch from each request's own acceptance and a cost model fitted per number of rows;
+   ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
+   from each request's own acceptance and a cost model fitted per number of rows (a request whose drafts do
+   not pay for themselves beside the others' tokens drafts none);
 4. emits text deltas, and releases finished requests' slots at once.
 
 A request's greedy output never depends on what it shares the batch with, and sampled output keeps the
