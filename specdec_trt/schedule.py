@@ -185,10 +185,6 @@ class DraftLengthController:
         reach = np.cumprod(np.concatenate([np.ones((len(p), 1)), p], axis=1), axis=1)
         return np.cumsum(reach, axis=1)
 
-    def expected_tokens(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
-        """tokens(g) for g = 0 .. max_draft: the expected tokens of a round in which every row drafts g."""
-        return self.row_tokens(rows).sum(0)
-
     def round_time(self, rows: int, pass_rows: int | None = None, width: int = 0) -> np.ndarray:
         """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in a pass of ``pass_rows``
         (default: these) whose other rows draft ``width`` tokens."""
@@ -199,10 +195,13 @@ class DraftLengthController:
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
         """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
         from it draft g tokens (row j = 0 and column g = 0: a plain round for these rows)."""
-        context = context or PassContext(len(rows))
-        gain = -np.sort(-(self.row_tokens(rows) - 1.0), axis=0)  # per g, the rows gaining most first
-        tokens = context.tokens + len(rows) + np.vstack([np.zeros(self.max_draft + 1), np.cumsum(gain, axis=0)])
-        times = [self.round_time(max(j, 1), context.rows, context.width) for j in range(len(rows) + 1)]
+        return self._rates(self.row_tokens(rows), context or PassContext(len(rows)))
+
+    def _rates(self, row_tokens: np.ndarray, context: PassContext) -> np.ndarray:
+        """``rates`` from the rows' ``row_tokens``."""
+        gain = -np.sort(-(row_tokens - 1.0), axis=0)  # per g, the rows gaining most first
+        tokens = context.tokens + len(gain) + np.vstack([np.zeros(self.max_draft + 1), np.cumsum(gain, axis=0)])
+        times = [self.round_time(max(j, 1), context.rows, context.width) for j in range(len(gain) + 1)]
         times[0] = np.full(self.max_draft + 1, times[0][0])
         return tokens / np.maximum(np.stack(times), 1e-12)
 
@@ -219,9 +218,10 @@ class DraftLengthController:
             lengths = [min(self.first, limit)] * len(rows)
         else:
             low = 1 if self.plain_streak >= self.probe_every - 1 else 0
-            rates = self.rates(rows, context)[low:, low : limit + 1]
+            tokens = self.row_tokens(rows)
+            rates = self._rates(tokens, context or PassContext(len(rows)))[low:, low : limit + 1]
             j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(rates)), rates.shape))
-            order = np.argsort(-self.row_tokens(rows)[:, gamma], kind="stable")
+            order = np.argsort(-tokens[:, gamma], kind="stable")
             drafting = set(order[:j].tolist()) if gamma else set()
             gamma = limit if gamma and self.reports_confidence else gamma
             lengths = [gamma if r in drafting else 0 for r in range(len(rows))]
