@@ -91,12 +91,17 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 
 
 class OrtEngine(Engine):
-    """The Engine protocol over an ONNX Runtime session of a graph made by ``build_engines.onnx_export``."""
+    """The Engine protocol over an ONNX Runtime session of a graph made by ``build_engines.onnx_export``.
+    ``profile_prefix``: have ONNX Runtime time every node of every run, into a JSON trace whose path
+    ``self.session.end_profiling()`` returns (for benchmarks: where a step's time goes)."""
 
-    def __init__(self, spec: OrtModelSpec, threads: int | None = None) -> None:
+    def __init__(self, spec: OrtModelSpec, threads: int | None = None, profile_prefix: Path | None = None) -> None:
         super().__init__()
         self.spec = spec
         options = session_options(threads)
+        if profile_prefix is not None:
+            options.enable_profiling = True
+            options.profile_file_prefix = str(profile_prefix)
         try:
             self.session = ort.InferenceSession(str(spec.path), options, providers=["CPUExecutionProvider"])
         except RuntimeError as err:

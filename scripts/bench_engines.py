@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import click
-import torch
 from rich.console import Console
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.bandwidth import machine_read_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
 from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
@@ -45,24 +44,6 @@ QUESTIONS = {
     "extract": "List every place and every kind of person the passage mentions, one per line.",
     "chat": "Give three tips for staying focused while studying.",
 }
-
-
-def machine_read_bandwidth(cores: int, gigabytes: float = 1.0) -> float:
-    """GB/s of a streaming read on every core (a torch sum over a buffer far larger than the caches),
-    best of 5."""
-    buffer = torch.ones(int(gigabytes * 1e9 / 4))
-    torch.set_num_threads(cores)
-    try:
-        best = min(_timed(buffer.sum) for _ in range(5))
-    finally:
-        torch.set_num_threads(1)
-    return buffer.numel() * 4 / best / 1e9
-
-
-def _timed(function) -> float:
-    start = time.perf_counter()
-    function()
-    return time.perf_counter() - start
 
 
 def release_slots(*engines: Engine) -> None:

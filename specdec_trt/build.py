@@ -65,10 +65,14 @@ class BuildRequest:
     force: bool = False
 
 
+def cache_root() -> Path:
+    """Where the project keeps what it builds once and reuses: ``$SPECDEC_CACHE`` or ~/.cache/specdec-trt."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec-trt"))
+
+
 def default_engine_dir() -> Path:
-    """Where ``specdec-run`` keeps the default engines: ``$SPECDEC_CACHE`` or ~/.cache/specdec-trt."""
-    root = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec-trt"))
-    return root / "engines" / "smollm2-135m"
+    """Where ``specdec-run`` keeps the default engines, under ``cache_root``."""
+    return cache_root() / "engines" / "smollm2-135m"
 
 
 def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | None]:

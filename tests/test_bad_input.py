@@ -413,7 +413,7 @@ CLI_ROWS: dict[str, Cli] = {
     "bench: --max-new-tokens 1": Cli(bench, (*BENCH, "-n", "1"), 2, "--max-new-tokens"),
     "bench: --out a directory": Cli(bench, (*T, "--out", "{tmp}"), 2, "is a directory"),
     "bench: peers options without peers": Cli(
-        bench, (*BENCH, "--hf-target", "{target}"), 2, "need the transformers peers"
+        bench, (*BENCH, "--hf-target", "{target}"), 2, "need the peers (--peers)"
     ),
     "bench: unknown suite": Cli(bench, (*BENCH, "--suite", "poetry"), 1, "'poetry' is neither a suite"),
     "bench: suite not UTF-8": Cli(

@@ -288,7 +288,7 @@ def test_every_method_runs_on_checkpoints(models: dict[str, Path], suite_file: P
     code, output = invoke(
         *("--target", str(models["target"]), "--draft", str(models["draft"]), "--draft", "ngram"),
         *("--suite", str(suite_file), "-k", "1,2", "-t", "0,0.8", "-n", "6", "--repeats", "2"),
-        *("--out", str(out), "--markdown", str(tmp_path / "docs" / "BENCHMARKS.md")),
+        *("--peer", "transformers", "--out", str(out), "--markdown", str(tmp_path / "docs" / "BENCHMARKS.md")),
     )
     assert code == 0, output
     draft = models["draft"].name
@@ -346,7 +346,7 @@ def test_auto_and_transformers_heuristic_schedule_run(
     code, output = invoke(
         *("--target", str(models["target"]), "--draft", str(models["draft"]), "--draft", "ngram"),
         *("--suite", str(suite_file), "-k", "1,auto", "--peer-num-draft-tokens", "1,heuristic", "-n", "6"),
-        *("--repeats", "1", "--out", str(out), "--markdown", str(document)),
+        *("--repeats", "1", "--peer", "transformers", "--out", str(out), "--markdown", str(document)),
     )
     assert code == 0, output
     draft = models["draft"].name
@@ -380,7 +380,7 @@ def test_engines_backend_runs_every_kind_of_draft(engines: Path, suite_file: Pat
     code, output = invoke(
         *("--engines", str(engines), "--draft", "int4", "--draft", small, "--draft", "ngram"),
         *("--suite", str(suite_file), "-k", "2,3", "-n", "6", "--repeats", "1"),
-        *("--peer-num-draft-tokens", "3", "--out", str(out)),
+        *("--peer-num-draft-tokens", "3", "--peer", "transformers", "--out", str(out)),
     )
     assert code == 0, output
     methods = ["plain", "int4 k=2", "int4 k=3", "small k=2", "small k=3", "ngram k=2", "ngram k=3"]
@@ -395,6 +395,17 @@ def test_engines_backend_runs_every_kind_of_draft(engines: Path, suite_file: Pat
     small_draft = next(r for r in data["summary"] if r["method"] == "small k=3")
     assert small_draft["speedup_vs_transformers_peer"] > 0  # matched with assisted generation at k=3
     assert next(r for r in data["summary"] if r["method"] == "int4 k=2")["speedup_vs_transformers_peer"] is None
+    # the bandwidth limit: the machine's read rate, every plain method's weight bytes, our step's breakdown
+    assert data["weights"] == "float32" and data["notes"] == []
+    limits = data["limits"]
+    assert limits["machine_read_GBps"] == max(limits["machine_read_GBps_before_after"]) > 0
+    assert set(limits["weight_bytes_per_token"]) == {"plain", "transformers generate"}
+    assert limits["step"]["step_ms"] > 0 and 0 < limits["step"]["not_matrix_share"] < 1
+    plain = next(r for r in data["summary"] if r["method"] == "plain")
+    assert plain["used_GBps"] > 0 and plain["of_bound"] == pytest.approx(
+        plain["used_GBps"] / limits["machine_read_GBps"]
+    )
+    assert "## Against llama.cpp and onnxruntime-genai: float32 weights" in output
 
 
 def test_ctrl_c_leaves_valid_json_with_the_finished_prompts(
@@ -447,7 +458,13 @@ def test_limit_takes_the_first_prompts_and_zero_takes_all(
         (("--device", "cpu"), "--device does not apply to ONNX Runtime engines"),
         (("--enforce-eager",), "--enforce-eager does not apply to ONNX Runtime engines"),
         (("--compile",), "--compile does not apply to ONNX Runtime engines"),
-        (("--no-peers", "--peer-num-draft-tokens", "2"), "need the transformers peers"),
+        (("--no-peers", "--peer-num-draft-tokens", "2"), "need the peers (--peers)"),
+        (("--no-peers", "--peer", "llama.cpp"), "need the peers (--peers)"),
+        (
+            ("-k", "2", "-n", "6", "--peer", "llama.cpp"),
+            "--peer llama.cpp: ",
+        ),  # not installed, or no GGUF of these weights
+        (("--peer", "tensorrt"), "Invalid value for '--peer'"),
     ],
 )
 def test_bad_settings_are_refused_before_timing(

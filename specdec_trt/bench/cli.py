@@ -12,6 +12,7 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from specdec_trt.bench.bandwidth import machine_read_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
 from specdec_trt.bench.methods import (
@@ -19,20 +20,24 @@ from specdec_trt.bench.methods import (
     HEURISTIC_CONFIDENCE,
     HEURISTIC_START,
     OURS,
-    TRANSFORMERS,
     Method,
     OursRunner,
-    TransformersRunner,
 )
+from specdec_trt.bench.peers import PEERS, PeerRequest, Peers, open_peers, our_weight_bytes, weight_class
+from specdec_trt.bench.peers_report import peers_section
 from specdec_trt.bench.plots import write_plots
 from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.results_file import read_results
+from specdec_trt.bench.step_profile import step_breakdown
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.build_engines.model import DTYPES
 from specdec_trt.cli_options import SEED, BackendOptions, Command, backend_options, number_list
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength, check_context, check_draft_length
 from specdec_trt.draft_spec import ENGINE, NGRAM, DraftSpec
 from specdec_trt.loading import LoadedModels
+from specdec_trt.runtime.ort_engine import OrtEngine
+
+LOOKUP_ROOM = 64  # llama.cpp's positions beyond our context, for the drafts its prompt lookup verifies
 
 
 def _draft_lengths(schedule: str):
@@ -128,12 +133,30 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     "repeats + repeat), the same for every method.",
 )
 @click.option(
-    "--peers/--no-peers", default=True, help="Also time transformers' generate and assisted generation, same weights."
+    "--peers/--no-peers",
+    default=True,
+    help="Also time the peers on the same weights: transformers (generate, assisted generation, prompt lookup), "
+    "llama.cpp (plain, prompt lookup) and onnxruntime-genai (plain), each where it is installed "
+    "(pip install 'specdec-trt[peers]') and has weights of our target's class (float32 or 4-bit).",
+)
+@click.option(
+    "--peer",
+    "peer_names",
+    multiple=True,
+    type=click.Choice(PEERS),
+    help="Time only this peer (repeatable); one that cannot run is then an error. [default: every peer that can run]",
 )
 @click.option(
     "--hf-target",
     type=click.Path(exists=True, path_type=Path),
-    help="Checkpoint for transformers' peers. [default: the checkpoint the target was built from]",
+    help="Checkpoint for transformers' and onnxruntime-genai's peers. [default: the checkpoint the target was "
+    "built from]",
+)
+@click.option(
+    "--peer-gguf",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="GGUF of the target's weights for llama.cpp. [default: for a target made from a GGUF file, that file "
+    "rewritten in float32 (written once), or the file itself in a 4-bit run]",
 )
 @click.option(
     "--out",
@@ -146,9 +169,11 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
 )
 @click.option(
     "--from-json",
+    multiple=True,
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Measure nothing: render the tables, plots and --markdown again from the JSON of an earlier run "
-    "(every measuring option is then unused).",
+    "(every measuring option is then unused). Repeat it to add the peer sections of further runs (e.g. a "
+    "4-bit run) to the document.",
 )
 @click.option(
     "--markdown",
@@ -169,10 +194,12 @@ def bench(
     ignore_eos: bool,
     seed: int,
     peers: bool,
+    peer_names: tuple[str, ...],
     hf_target: Path | None,
+    peer_gguf: Path | None,
     out: Path,
     plots_dir: Path | None,
-    from_json: Path | None,
+    from_json: tuple[Path, ...],
     markdown: Path | None,
 ) -> None:
     """Time plain decoding, speculative decoding with each draft and gamma, and transformers' generate and
@@ -185,15 +212,17 @@ def bench(
       specdec-bench --draft int4 --draft ngram -k 1,2,4,8 -t 0,0.8 --out results/sweep.json
       specdec-bench --target ./llama-1b --draft ./llama-160m -k 2,4,auto --peer-num-draft-tokens 4,heuristic
       specdec-bench --target model.gguf --device cuda --draft ngram
-      specdec-bench --from-json results/bench.json --markdown docs/BENCHMARKS.md
+      specdec-bench --engines engines/smollm2-int4 --draft ngram --peer llama.cpp --out results/int4.json
+      specdec-bench --from-json results/bench.json --from-json results/int4.json --markdown docs/BENCHMARKS.md
     """
     err = Console(stderr=True)
-    if from_json is not None:
-        data = read_results(from_json)
-        _write_outputs(data, from_json, plots_dir or from_json.with_name(from_json.stem + "-plots"), markdown, err)
+    if from_json:
+        runs = [read_results(path) for path in from_json]
+        plots_dir = plots_dir or from_json[0].with_name(from_json[0].stem + "-plots")
+        _write_outputs(runs, list(from_json), plots_dir, markdown, err)
         return
-    if not peers and (hf_target or peer_gammas):
-        raise click.UsageError("--hf-target and --peer-num-draft-tokens need the transformers peers (--peers)")
+    if not peers and (hf_target or peer_gammas or peer_names or peer_gguf):
+        raise click.UsageError("--hf-target, --peer, --peer-gguf and --peer-num-draft-tokens need the peers (--peers)")
     torch_threads = backend.threads or os.cpu_count() or 1  # transformers' and the PyTorch engine's pool
     transformers.logging.set_verbosity_error()  # generation-config chatter would break the progress bar
     transformers.logging.disable_progress_bar()
@@ -212,33 +241,34 @@ def bench(
     specs = [DraftSpec.parse(d) for d in drafts or default_drafts]
     loaded_suites = [load_suite(name) for name in config.suites]
     backend = backend.resolved(err)
-    with err.status("Loading models…"):
+    with err.status("Loading models…") as status:
         models = backend.open(specs, err)
         ours = OursRunner(models, torch_threads if backend.on_pytorch else 1)
         _check_fits(config, loaded_suites, models, ours)
-        runner_for: dict = {OURS: ours}
-        methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in models.drafters for k in gammas]
-        if peers:
-            runner_for[TRANSFORMERS] = TransformersRunner.open(
-                hf_target or models.target_checkpoint,
-                models.draft_checkpoints,
-                str(models.target.device),
-                DTYPES[backend.dtype or "float32"],
-                torch_threads,
-                models.eos_token_ids,
-            )
-            peer_drafts = [d for d in models.drafters if d == NGRAM or d in models.draft_checkpoints]
-            methods.append(Method(TRANSFORMERS, None))
-            lengths = peer_gammas or peer_lengths(gammas)
-            methods += [
-                Method(TRANSFORMERS, d, k) for d in peer_drafts for k in lengths if d != NGRAM or k != HEURISTIC
-            ]
+        weights = weight_class(backend.engines, DTYPES[backend.dtype or "float32"])
+        request = PeerRequest(
+            names=(peer_names or PEERS) if peers else (),
+            named=bool(peer_names),
+            lengths=peer_gammas or peer_lengths(gammas),
+            threads=torch_threads,
+            n_ctx=models.max_context + LOOKUP_ROOM,  # prompt lookup verifies drafts past the last token
+            hf_target=hf_target,
+            gguf=peer_gguf,
+        )
+        found = open_peers(request, models, weights, str(models.target.device), lambda text: status.update(text))
+    for note in found.notes:
+        err.print(f"[yellow]Peer left out[/yellow]: {note}")
+    methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in models.drafters for k in gammas] + found.methods
     command = "specdec-bench " + shlex.join(sys.argv[1:])
     results = BenchResults(config, methods, environment(str(models.target.device), torch_threads), command)
-    interrupted = _measure(results, loaded_suites, runner_for, ours.encode, out, err)
+    results.weights, results.notes = weights, found.notes
+    results.limits = _limits(models, found, torch_threads, err)
+    interrupted = _measure(results, loaded_suites, {OURS: ours, **found.runners}, ours.encode, out, err)
+    readings = [results.limits["machine_read_GBps"], machine_read_bandwidth(torch_threads)]
+    results.limits |= {"machine_read_GBps": max(readings), "machine_read_GBps_before_after": readings}
     results.write(out)
     err.print(f"Wrote {out}")
-    _write_outputs(results.to_json(), out, plots_dir or out.with_name(out.stem + "-plots"), markdown, err)
+    _write_outputs([results.to_json()], [out], plots_dir or out.with_name(out.stem + "-plots"), markdown, err)
     if interrupted:
         err.print(f"[yellow]Interrupted[/yellow]: {out} holds every prompt finished so far.")
         sys.exit(130)
@@ -284,17 +314,36 @@ def _check_fits(config: BenchConfig, suites: list[Suite], models: LoadedModels, 
                 raise ValueError(f"prompt {prompt.id} of suite {suite.name}: {error}") from error
 
 
-def _write_outputs(data: dict, source: Path, plots_dir: Path, markdown: Path | None, err: Console) -> None:
-    """The tables on stdout, the plots, and the benchmarks document when asked for."""
+def _limits(models: LoadedModels, found: Peers, threads: int, err: Console) -> dict:
+    """The memory-bandwidth limit of this run: the machine's read rate, the weight bytes per token of every
+    plain method, and where our plain decode step goes (ONNX Runtime engines)."""
+    with err.status("Measuring the machine's memory bandwidth and our decode step…"):
+        ours = our_weight_bytes(models)
+        limits: dict = {
+            "machine_read_GBps": machine_read_bandwidth(threads),
+            "weight_bytes_per_token": ({Method(OURS, None).name: ours} if ours else {}) | found.weight_bytes,
+        }
+        if isinstance(models.target, OrtEngine):
+            limits["step"] = step_breakdown(models.target.spec)
+    return limits
+
+
+def _write_outputs(runs: list[dict], sources: list[Path], plots_dir: Path, markdown: Path | None, err: Console) -> None:
+    """The tables of the first run on stdout, the plots, and the benchmarks document when asked for (with
+    the peer sections of every run)."""
+    data = runs[0]
     click.echo(markdown_tables(data["summary"]))
     versus = auto_table(data["summary"])
     if versus:
         click.echo("### auto vs the best fixed gamma\n\n" + versus)
+    for run in runs:
+        click.echo(peers_section(run))
     plots = write_plots(data["summary"], plots_dir)
     if plots:
         err.print(f"Wrote the plots into {plots_dir}")
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
-        rerender = f"specdec-bench --from-json {source} --plots-dir {plots_dir} --markdown {markdown}"
-        markdown.write_text(benchmarks_document(data, plots, markdown, rerender))
+        sources_argv = " ".join(f"--from-json {source}" for source in sources)
+        rerender = f"specdec-bench {sources_argv} --plots-dir {plots_dir} --markdown {markdown}"
+        markdown.write_text(benchmarks_document(data, plots, markdown, rerender, runs[1:]))
         err.print(f"Wrote {markdown}")

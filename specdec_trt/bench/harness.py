@@ -66,6 +66,9 @@ class BenchResults:
     command: str
     runs: list[dict] = field(default_factory=list)
     status: str = "running"
+    weights: str = "float32"  # the class of our target's weights: "float32" or "4-bit"
+    limits: dict[str, Any] = field(default_factory=dict)  # read bandwidth, weight bytes, our step's breakdown
+    notes: list[str] = field(default_factory=list)  # peers skipped, and why
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -74,8 +77,11 @@ class BenchResults:
             "command": self.command,
             "config": asdict(self.config),
             "environment": self.environment,
+            "weights": self.weights,
+            "limits": self.limits,
+            "notes": self.notes,
             "methods": [asdict(m) | {"name": m.name} for m in self.methods],
-            "summary": summarise(self.runs, self.methods),
+            "summary": summarise(self.runs, self.methods, self.limits),
             "runs": self.runs,
         }
 
@@ -85,6 +91,13 @@ class BenchResults:
         partial = path.with_name(path.name + ".tmp")
         partial.write_text(json.dumps(self.to_json(), indent=1))
         os.replace(partial, path)
+
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """The index of the first token where ``tokens`` differs from ``reference`` (a length too); None if equal."""
+    if list(tokens) == list(reference):
+        return None
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
 
 
 def run_benchmark(
@@ -117,7 +130,8 @@ def run_benchmark(
                         run, tokens = runners[method.family].run(method, prompt_ids, params)
                         if method.is_baseline:
                             plain_tokens = tokens
-                        same = tokens == plain_tokens if params.greedy and plain_tokens is not None else None
+                        compared = params.greedy and plain_tokens is not None
+                        same = tokens == plain_tokens if compared else None
                         results.runs.append(
                             {
                                 "suite": suite.name,
@@ -129,6 +143,7 @@ def run_benchmark(
                                 "method": method.name,
                                 **run.to_dict(),
                                 "same_tokens_as_plain": same,
+                                "first_divergence": first_divergence(tokens, plain_tokens) if compared else None,
                             }
                         )
                 on_prompt()

@@ -3,7 +3,8 @@
 "ours" methods run on our engines through ``SpeculativeDecoder`` (plain decoding is ``num_draft_tokens=0``
 on the same target engine: the baseline). "transformers" methods are the peers on the same weights:
 ``generate``, assisted generation with ``assistant_model=`` and prompt lookup
-(``prompt_lookup_num_tokens=``), timed through a streamer that sees every verify pass.
+(``prompt_lookup_num_tokens=``), timed through a streamer that sees every verify pass. The llama.cpp and
+onnxruntime-genai peers have runners of their own modules (``llama_cpp_peer``, ``ort_genai_peer``).
 
 A draft length is a number of drafts per round, or a schedule: ``"auto"`` for ours (the draft length
 chosen each round from measured acceptance and costs) and ``"heuristic"`` for transformers' assisted
@@ -31,6 +32,8 @@ from specdec_trt.sampling import SamplingParams
 
 OURS = "ours"
 TRANSFORMERS = "transformers"
+LLAMA_CPP = "llama.cpp"
+ORT_GENAI = "onnxruntime-genai"
 HEURISTIC = "heuristic"
 # transformers' own defaults for assisted generation (GenerationConfig._get_default_generation_params in
 # transformers 5.x), set explicitly with the "heuristic" schedule: start at 20 drafts per round, +2 after
@@ -43,7 +46,7 @@ HEURISTIC_CONFIDENCE = 0.4
 class Method:
     """One way of generating. ``draft`` labels the drafter (None for plain decoding)."""
 
-    family: str  # OURS or TRANSFORMERS
+    family: str  # OURS, TRANSFORMERS, LLAMA_CPP or ORT_GENAI
     draft: str | None
     num_draft_tokens: DraftLength = 0  # an integer, AUTO (ours) or HEURISTIC (transformers' assisted)
 
@@ -52,6 +55,8 @@ class Method:
         k = self.num_draft_tokens if isinstance(self.num_draft_tokens, str) else f"k={self.num_draft_tokens}"
         if self.family == OURS:
             return "plain" if self.draft is None else f"{self.draft} {k}"
+        if self.family != TRANSFORMERS:
+            return f"{self.family} plain" if self.draft is None else f"{self.family} prompt-lookup {k}"
         if self.draft is None:
             return "transformers generate"
         kind = "prompt-lookup" if self.draft == NGRAM else f"assisted {self.draft}"

@@ -1,4 +1,5 @@
-"""PNG plots of a benchmark summary: speedup vs gamma, per-position acceptance, measured vs ideal.
+"""PNG plots of a benchmark summary: tokens/s per suite, speedup vs gamma, per-position acceptance, measured
+vs ideal.
 
 Scheduled draft lengths (ours "auto", transformers' "heuristic") have no gamma: the speedup plot draws
 each as a horizontal dash-dot line in its draft's colour, the per-position plot leaves them out, and the
@@ -17,23 +18,45 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402 - after choosing the backend
 
 from specdec_trt.bench.methods import OURS  # noqa: E402
+from specdec_trt.bench.peers_report import compared_rows  # noqa: E402
 
 _COLORS = plt.rcParams["axes.prop_cycle"].by_key()["color"]
 
 
 def write_plots(summary: Sequence[dict], directory: Path) -> list[Path]:
-    """Write the three plots into ``directory``; their paths (none when nothing speculative ran)."""
-    speculative = [r for r in summary if r["draft"] is not None]
-    if not speculative:
+    """Write the plots into ``directory``; their paths (the speculative ones only when something drafted)."""
+    if not summary:
         return []
     directory.mkdir(parents=True, exist_ok=True)
-    suites = list(dict.fromkeys(r["suite"] for r in speculative))
-    paths = [
-        _speedup_vs_gamma(speculative, suites, directory / "speedup_vs_gamma.png"),
-        _per_position(speculative, suites, directory / "per_position_acceptance.png"),
-        _measured_vs_ideal(speculative, directory / "measured_vs_ideal.png"),
-    ]
+    paths = [_tokens_per_suite(summary, directory / "tokens_per_s.png")]
+    speculative = [r for r in summary if r["draft"] is not None]
+    if speculative:
+        suites = list(dict.fromkeys(r["suite"] for r in speculative))
+        paths += [
+            _speedup_vs_gamma(speculative, suites, directory / "speedup_vs_gamma.png"),
+            _per_position(speculative, suites, directory / "per_position_acceptance.png"),
+            _measured_vs_ideal(speculative, directory / "measured_vs_ideal.png"),
+        ]
     return [p for p in paths if p is not None]
+
+
+def _tokens_per_suite(summary: Sequence[dict], path: Path) -> Path | None:
+    """Bars of tokens/s per suite: every plain method and each family's fastest speculative one, greedy."""
+    greedy = [r for r in summary if r["temperature"] == 0]
+    if not greedy:
+        return None
+    suites = list(dict.fromkeys(r["suite"] for r in greedy))
+    by_suite = {suite: compared_rows([r for r in greedy if r["suite"] == suite]) for suite in suites}
+    methods = list(dict.fromkeys(r["method"] for rows in by_suite.values() for r in rows))
+    figure, (ax,) = _axes(1, "Tokens/s per suite, greedy: plain methods and each family's fastest speculative one")
+    width = 0.8 / len(methods)
+    for i, method in enumerate(methods):
+        rates = [next((r["tokens_per_s"] for r in by_suite[s] if r["method"] == method), 0.0) for s in suites]
+        ax.bar([x + i * width for x in range(len(suites))], rates, width, label=method, color=_COLORS[i % len(_COLORS)])
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(suites))], suites)
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=6)
+    return _save(figure, path)
 
 
 def _is_fixed(row: dict) -> bool:
@@ -42,8 +65,7 @@ def _is_fixed(row: dict) -> bool:
 
 
 def _label(row: dict) -> str:
-    family = "ours" if row["family"] == OURS else "transformers"
-    return f"{family} {row['draft']} t={row['temperature']:g}"
+    return f"{row['family']} {row['draft']} t={row['temperature']:g}"
 
 
 def _series(rows: Sequence[dict]) -> dict[str, list[dict]]:

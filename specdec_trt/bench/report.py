@@ -9,6 +9,7 @@ from itertools import groupby
 from pathlib import Path
 
 from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
+from specdec_trt.bench.peers_report import peers_section
 from specdec_trt.bench.summary import PLAIN, TRANSFORMERS_GENERATE
 from specdec_trt.decoder import AUTO
 
@@ -205,13 +206,17 @@ The best fixed gamma is picked after the fact, per suite; auto has to find it on
 """
 
 
-def benchmarks_document(data: dict, plots: Sequence[Path], document: Path, rerender: str) -> str:
-    """docs/BENCHMARKS.md: the command, the machine, the headline, every table, the plots and a reading.
-    ``rerender`` is the command that writes this document again from the run's JSON, measuring nothing."""
+def benchmarks_document(
+    data: dict, plots: Sequence[Path], document: Path, rerender: str, others: Sequence[dict] = ()
+) -> str:
+    """docs/BENCHMARKS.md: the command, the machine, the headline, every table, the plots and a reading, with
+    the peers and the bandwidth limit of this run and of the ``others`` (runs on another class of weights).
+    ``rerender`` is the command that writes this document again from the runs' JSON, measuring nothing."""
     env = data["environment"]
     versions = ", ".join(f"{name} {version}" for name, version in env["packages"].items())
     images = "\n".join(f"![{p.stem}]({os.path.relpath(p, document.parent)})" for p in plots)
     summary, config = data["summary"], data["config"]
+    peer_sections = "".join(peers_section(run) + "\n" for run in (data, *others))
     length = f"{config['max_new_tokens']} new tokens" + (
         " each (EOS ignored, so that every method makes as many)" if config["ignore_eos"] else " at most (stop at EOS)"
     )
@@ -256,7 +261,7 @@ Python overhead are what separate the two.
 ## Reading this run
 
 {reading(summary)}
-{_auto_section(summary)}## Plots
+{_auto_section(summary)}{peer_sections}## Plots
 
 {images}
 

@@ -36,7 +36,7 @@ def read_results(path: Path) -> dict[str, Any]:
         raise ResultsFileError(f"{path} lacks {', '.join(missing)}: {_FIX}")
     try:
         methods = [Method(m["family"], m["draft"], m["num_draft_tokens"]) for m in data["methods"]]
-        data["summary"] = summarise(data["runs"], methods)
+        data["summary"] = summarise(data["runs"], methods, data.get("limits"))
     except (KeyError, TypeError, AttributeError, ValueError) as err:
         raise ResultsFileError(f"{path} holds damaged methods or runs ({type(err).__name__}: {err}): {_FIX}") from None
     return data

@@ -55,8 +55,9 @@ def median_ratio(numerator: dict[str, dict[str, float]], denominator: dict[str, 
     return statistics.median(ratios) if ratios else None
 
 
-def summarise(runs: list[dict], methods: list[Method]) -> list[dict]:
-    """One row per (suite, temperature, method) that has runs, in run order."""
+def summarise(runs: list[dict], methods: list[Method], limits: dict | None = None) -> list[dict]:
+    """One row per (suite, temperature, method) that has runs, in run order. ``limits``: the machine's read
+    bandwidth and each plain method's weight bytes per token (``bandwidth_figures``)."""
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for run in runs:
         groups[(run["suite"], run["temperature"], run["method"])].append(run)
@@ -68,7 +69,7 @@ def summarise(runs: list[dict], methods: list[Method]) -> list[dict]:
         for method in methods:
             method_runs = groups[(suite, temperature, method.name)]
             if method_runs:
-                row = _row(method, method_runs, medians, plain_step_s)
+                row = _row(method, method_runs, medians, plain_step_s) | bandwidth_figures(method, medians, limits)
                 rows.append({"suite": suite, "temperature": temperature, **row})
     return rows
 
@@ -101,6 +102,7 @@ def _row(method: Method, runs: list[dict], medians: dict, plain_step_s: float | 
         "ideal_speedup": None,
         "efficiency": None,
         "same_tokens_as_plain": _all_or_none(r["same_tokens_as_plain"] for r in runs),
+        "first_divergence": min((d for r in runs if (d := r.get("first_divergence")) is not None), default=None),
     }
     if method.family == OURS and method.draft is not None:
         # The same draft length, or transformers' own schedule for ours.
@@ -109,6 +111,24 @@ def _row(method: Method, runs: list[dict], medians: dict, plain_step_s: float | 
         row["speedup_vs_transformers_peer"] = median_ratio(mine, medians.get(peer, {}), "tokens_per_s")
         row |= _draft_figures(runs, plain_step_s, row["tau"], row["decode_speedup_vs_plain"])
     return row
+
+
+def bandwidth_figures(method: Method, medians: dict, limits: dict | None) -> dict:
+    """For a plain method whose weight bytes per token are known: the memory bandwidth its decode steps use
+    (bytes per token x decode tokens/s, the median over prompts), the most tokens/s the machine's read
+    bandwidth allows over those bytes, and the share of that bound it reaches."""
+    figures = {"weight_mb_per_token": None, "used_GBps": None, "bound_tokens_per_s": None, "of_bound": None}
+    weight_bytes = (limits or {}).get("weight_bytes_per_token", {}).get(method.name)
+    if not weight_bytes or method.draft is not None:
+        return figures
+    rates = [m["decode_tokens_per_s"] for m in medians[method.name].values()]
+    used = [rate * weight_bytes / 1e9 for rate in rates if rate == rate]  # NaN: a single-token run
+    bound = limits["machine_read_GBps"] * 1e9 / weight_bytes
+    figures |= {"weight_mb_per_token": weight_bytes / 1e6, "bound_tokens_per_s": bound}
+    if used:
+        median = statistics.median(used)
+        figures |= {"used_GBps": median, "of_bound": median / limits["machine_read_GBps"]}
+    return figures
 
 
 def _draft_figures(runs: list[dict], plain_step_s: float | None, tau: float | None, decode_speedup) -> dict:
