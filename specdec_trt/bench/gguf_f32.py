@@ -37,8 +37,16 @@ def write_f32_gguf(source: Path, out: Path) -> Path:
     return out
 
 
+def f32_gguf_once(source: Path, out: Path) -> Path:
+    """``source`` as an F32 GGUF at ``out``, written once: through a partial file renamed into place, so that an
+    interrupted write never leaves a file that later runs would take for complete."""
+    if not out.is_file():
+        partial = out.with_name(out.name + ".partial")
+        write_f32_gguf(source, partial)
+        partial.replace(out)
+    return out
+
+
 def default_model_f32(out: Path) -> Path:
     """The default model (SmolLM2-135M-Instruct) as an F32 GGUF at ``out``, written once."""
-    if not out.is_file():
-        write_f32_gguf(default_model_path(), out)
-    return out
+    return f32_gguf_once(default_model_path(), out)

@@ -14,34 +14,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specdec_trt.bench.methods import Method, Run
+from specdec_trt.bench.methods import PEERS_INSTALL, Method, Run, prompt_lookup_length
 from specdec_trt.bench.servers import llama_cpp_available
-from specdec_trt.draft_spec import NGRAM
 from specdec_trt.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-INSTALL = "pip install 'specdec-trt[peers]'"
-
 
 def require_llama_cpp() -> None:
     """Refuse, in one line that names the fix, to run llama.cpp where llama-cpp-python is not installed."""
     if not llama_cpp_available():
-        raise ValueError(f"llama.cpp's peer needs llama-cpp-python, which is not installed: {INSTALL}")
-
-
-def lookup_length(method: Method) -> int | None:
-    """The prompt-lookup draft length of ``method`` (None: plain decoding), or a ValueError saying what runs."""
-    if method.draft is None:
-        return None
-    k = method.num_draft_tokens
-    if method.draft != NGRAM or isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(
-            f"llama.cpp runs plain decoding or prompt lookup ({NGRAM!r}) with a fixed number of drafts >= 1, "
-            f"not draft {method.draft!r} with {k!r}"
-        )
-    return k
+        raise ValueError(f"llama.cpp's peer needs llama-cpp-python, which is not installed: {PEERS_INSTALL}")
 
 
 def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
@@ -112,7 +96,7 @@ class LlamaCppRunner:
         """Generate once from an empty KV cache; the run's figures and the generated token ids."""
         import llama_cpp
 
-        lookup = lookup_length(method)
+        lookup = prompt_lookup_length(method)
         if not prompt_ids or len(prompt_ids) + params.max_new_tokens > self.n_ctx:
             raise ValueError(
                 f"llama.cpp needs a prompt of 1 token or more and at most n_ctx {self.n_ctx} positions for the "

@@ -35,6 +35,7 @@ TRANSFORMERS = "transformers"
 LLAMA_CPP = "llama.cpp"
 ORT_GENAI = "onnxruntime-genai"
 HEURISTIC = "heuristic"
+PEERS_INSTALL = "pip install 'specdec-trt[peers]'"  # the optional peers: llama.cpp and onnxruntime-genai
 # transformers' own defaults for assisted generation (GenerationConfig._get_default_generation_params in
 # transformers 5.x), set explicitly with the "heuristic" schedule: start at 20 drafts per round, +2 after
 # a round that accepted every draft, -1 otherwise (at least 1); stop drafting below confidence 0.4.
@@ -70,6 +71,21 @@ class Method:
     @property
     def is_baseline(self) -> bool:
         return self.family == OURS and self.draft is None
+
+
+def prompt_lookup_length(method: Method, most: int | None = None, otherwise: str = "") -> int | None:
+    """For a peer that decodes plainly or by prompt lookup: ``method``'s fixed draft length (None: plain
+    decoding), at most ``most``; anything else is a ValueError naming what the peer runs (and ``otherwise``)."""
+    if method.draft is None:
+        return None
+    k = method.num_draft_tokens
+    if method.draft != NGRAM or isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= (most or k):
+        bound = f"from 1 to {most}" if most else ">= 1"
+        raise ValueError(
+            f"{method.family} runs plain decoding or prompt lookup ({NGRAM!r}) with a fixed number of drafts "
+            f"{bound}, not draft {method.draft!r} with {k!r}{otherwise}"
+        )
+    return k
 
 
 @dataclass

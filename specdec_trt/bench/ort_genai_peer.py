@@ -27,18 +27,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specdec_trt.bench.methods import Method, Run
+from specdec_trt.bench.methods import PEERS_INSTALL, Method, Run, prompt_lookup_length
 from specdec_trt.build import cache_root
-from specdec_trt.draft_spec import NGRAM
 from specdec_trt.sampling import SamplingParams
 
-INSTALL = "pip install 'specdec-trt[peers]'"
 PRECISIONS = ("fp32", "int4")
 CONFIG = "genai_config.json"
 # Prompt lookup drafts what followed the most recent earlier occurrence of the last two tokens (onnxruntime-genai's
 # ngram_size counts the drafted token too and matches exactly that length, with no shorter fallback).
 LOOKUP_NGRAM = 3
 MAX_DRAFTS = 16  # onnxruntime-genai's bound on speculative.max_draft_tokens
+DRAFT_MODEL = (
+    " (its draft-model decoding needs the draft built by its builder and named in the target's genai_config.json)"
+)
 
 
 def ort_genai_available() -> bool:
@@ -49,7 +50,7 @@ def ort_genai_available() -> bool:
 def require_ort_genai() -> None:
     """Refuse, in one line that names the fix, to run where onnxruntime-genai is not installed."""
     if not ort_genai_available():
-        raise ValueError(f"onnxruntime-genai's peer needs onnxruntime-genai, which is not installed: {INSTALL}")
+        raise ValueError(f"onnxruntime-genai's peer needs onnxruntime-genai, which is not installed: {PEERS_INSTALL}")
 
 
 def default_genai_dir(checkpoint: Path, precision: str) -> Path:
@@ -117,20 +118,6 @@ def write_float32_checkpoint(gguf: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def lookup_length(method: Method) -> int | None:
-    """The prompt-lookup draft length of ``method`` (None: plain decoding), or a ValueError saying what runs."""
-    if method.draft is None:
-        return None
-    k = method.num_draft_tokens
-    if method.draft != NGRAM or isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFTS:
-        raise ValueError(
-            f"onnxruntime-genai runs plain decoding or prompt lookup ({NGRAM!r}) with a fixed number of drafts "
-            f"from 1 to {MAX_DRAFTS}, not draft {method.draft!r} with {k!r} (its draft-model decoding needs the "
-            "draft built by its builder and named in the target's genai_config.json)"
-        )
-    return k
-
-
 def search_options(params: SamplingParams, max_length: int) -> dict[str, Any]:
     """``GeneratorParams.set_search_options`` for ``params``: every option that changes the tokens is given, so
     that none comes from the search defaults the builder copied from the checkpoint's generation config. Greedy
@@ -180,7 +167,7 @@ class OrtGenaiRunner:
         its statistics, which leave out the passes of replaying the history after an appended EOS)."""
         import onnxruntime_genai as og
 
-        lookup = lookup_length(method)
+        lookup = prompt_lookup_length(method, MAX_DRAFTS, DRAFT_MODEL)
         max_length = len(prompt_ids) + params.max_new_tokens
         if not prompt_ids or max_length > self.context_length:
             raise ValueError(

@@ -15,9 +15,16 @@ import gguf
 import torch
 
 from specdec_trt.bench.bandwidth import gguf_weight_bytes, module_weight_bytes, onnx_weight_bytes
-from specdec_trt.bench.gguf_f32 import write_f32_gguf
+from specdec_trt.bench.gguf_f32 import f32_gguf_once
 from specdec_trt.bench.llama_cpp_peer import LlamaCppRunner
-from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, TRANSFORMERS, Method, TransformersRunner
+from specdec_trt.bench.methods import (
+    LLAMA_CPP,
+    ORT_GENAI,
+    PEERS_INSTALL,
+    TRANSFORMERS,
+    Method,
+    TransformersRunner,
+)
 from specdec_trt.bench.ort_genai_peer import OrtGenaiRunner, build_genai_model, default_genai_dir, ort_genai_available
 from specdec_trt.bench.servers import llama_cpp_available
 from specdec_trt.build import cache_root
@@ -28,7 +35,6 @@ from specdec_trt.runtime.ort_engine import OrtEngine
 
 PEERS = (TRANSFORMERS, LLAMA_CPP, ORT_GENAI)
 FLOAT32, FOUR_BIT = "float32", "4-bit"
-_INSTALL = "pip install 'specdec-trt[peers]'"
 _FOUR_BIT_GGUF = {
     gguf.LlamaFileType.MOSTLY_Q4_0,
     gguf.LlamaFileType.MOSTLY_Q4_1,
@@ -122,7 +128,7 @@ def _transformers(peers: Peers, request: PeerRequest, models: LoadedModels, weig
 
 def _llama_cpp(peers: Peers, request: PeerRequest, models: LoadedModels, weights: str, device: str, status):
     if not llama_cpp_available():
-        raise _Skipped(f"llama-cpp-python is not installed ({_INSTALL})")
+        raise _Skipped(f"llama-cpp-python is not installed ({PEERS_INSTALL})")
     if device != "cpu":
         raise _Skipped("it runs on the CPU here; compare it in CPU runs")
     path = request.gguf or _gguf_for(models.target_checkpoint, weights, status)
@@ -148,15 +154,12 @@ def _gguf_for(source: Path | None, weights: str, status) -> Path:
     out = cache_root() / "peers" / "llama.cpp" / f"{source.stem}-f32.gguf"
     if not out.is_file():
         status(f"Writing {out.name}, the float32 GGUF of our weights…")
-        partial = out.with_name(out.name + ".partial")
-        write_f32_gguf(source, partial)
-        partial.replace(out)
-    return out
+    return f32_gguf_once(source, out)
 
 
 def _ort_genai(peers: Peers, request: PeerRequest, models: LoadedModels, weights: str, device: str, status):
     if not ort_genai_available():
-        raise _Skipped(f"onnxruntime-genai is not installed ({_INSTALL})")
+        raise _Skipped(f"onnxruntime-genai is not installed ({PEERS_INSTALL})")
     if device != "cpu":
         raise _Skipped("it runs on the CPU here; compare it in CPU runs")
     precision = {FLOAT32: "fp32", FOUR_BIT: "int4"}.get(weights)
