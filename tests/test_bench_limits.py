@@ -180,6 +180,8 @@ def test_peers_section_compares_plain_methods_and_the_fastest_drafters() -> None
     assert "20.0 GB/s" in text and "| plain | 18.3 | 20.0 | 500 | 10.0 | 40.0 | 50% | yes |" in text
     assert f"| {GENAI.name} | 5.2 | 5.0 | - | - | - | - | from token 7 |" in text
     assert "our plain 1.83x llama.cpp's plain" in text  # 11 / 0.6 against 11 / 1.1
+    assert "our plain 3.50x onnxruntime-genai's plain" in text  # 11 / 0.6 against 11 / 2.1
+    assert f"our {DEFAULT.name} 3.14x llama.cpp's plain" in text  # 11 / 0.35 against 11 / 1.1
     assert f"our {DEFAULT.name} 1.71x {LOOKUP.name}" in text  # 11 / 0.35 against 11 / 0.6
     assert "our plain at 50% of the bandwidth bound" in text
     assert "- t: why" in text

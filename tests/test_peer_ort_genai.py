@@ -27,7 +27,8 @@ from specdec_trt.bench.ort_genai_peer import (
     default_genai_dir,
     write_float32_checkpoint,
 )
-from specdec_trt.build import default_engine_dir
+from specdec_trt.bench.peers import FLOAT32, PeerRequest, open_peers
+from specdec_trt.build import BuildRequest, build, default_engine_dir
 from specdec_trt.build_engines.checkpoint import (
     default_model_path,
     load_checkpoint,
@@ -35,7 +36,9 @@ from specdec_trt.build_engines.checkpoint import (
     load_transformers_model,
 )
 from specdec_trt.build_engines.manifest import MANIFEST_NAME
-from specdec_trt.draft_spec import NGRAM
+from specdec_trt.decoder import AUTO
+from specdec_trt.draft_spec import NGRAM, DraftSpec
+from specdec_trt.loading import open_engine_directory
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed: pip install 'specdec-trt[peers]'")
 
@@ -159,6 +162,23 @@ def test_other_drafts_schedules_lengths_and_filters_are_refused(runner) -> None:
         runner.run(PLAIN, [1] * 250, greedy(10))  # the tiny model has 256
     with pytest.raises(ValueError, match="min-p"):
         runner.run(PLAIN, REPEATS, SamplingParams(max_new_tokens=4, temperature=1.0, min_p=0.1))
+
+
+def test_specdec_bench_times_its_plain_decoding_and_prompt_lookup(builds, checkpoint, tmp_path, monkeypatch) -> None:
+    """The peer as specdec-bench opens it: the cached fp32 build, plain decoding and prompt lookup at every
+    fixed length asked for (auto is ours alone), and the weight bytes of its plain decoding."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(builds / "fp32", default_genai_dir(checkpoint, "fp32"))
+    engines = tmp_path / "engines"
+    build(BuildRequest(out=engines, target=checkpoint, draft="none", max_context=128))
+    models = open_engine_directory(engines, [DraftSpec.parse(NGRAM)])
+    request = PeerRequest(names=(ORT_GENAI,), named=True, lengths=(2, 4, AUTO), threads=THREADS, n_ctx=128)
+    peers = open_peers(request, models, FLOAT32, "cpu", lambda text: None)
+    assert peers.methods == [PLAIN, Method(ORT_GENAI, NGRAM, 2), LOOKUP] and peers.notes == []
+    assert peers.weight_bytes[PLAIN.name] > 0
+    _, plain = peers.runners[ORT_GENAI].run(PLAIN, REPEATS, greedy(20))
+    run, tokens = peers.runners[ORT_GENAI].run(peers.methods[1], REPEATS, greedy(20))
+    assert tokens == plain and run.accepted_tokens > 0
 
 
 def test_a_second_build_reuses_the_first(builds, checkpoint) -> None:

@@ -172,5 +172,5 @@ def _ort_genai(peers: Peers, request: PeerRequest, models: LoadedModels, weights
     model_dir = build_genai_model(checkpoint, precision, out)
     peers.runners[ORT_GENAI] = OrtGenaiRunner(model_dir, request.threads)
     plain = Method(ORT_GENAI, None)
-    peers.methods.append(plain)
+    peers.methods += [plain] + [Method(ORT_GENAI, NGRAM, k) for k in request.lengths if not isinstance(k, str)]
     peers.weight_bytes[plain.name] = onnx_weight_bytes(model_dir / "model.onnx")

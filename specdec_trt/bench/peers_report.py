@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specdec_trt.bench.methods import LLAMA_CPP, OURS
+from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, OURS
 from specdec_trt.decoder import AUTO
 from specdec_trt.draft_spec import LOOKUP_FIRST
 
@@ -101,18 +101,26 @@ def _step_lines(step: dict | None) -> str:
 
 
 def _ratio_lines(greedy: Sequence[dict]) -> str:
-    """Per suite: our plain over llama.cpp's plain, and our default drafter over llama.cpp's fastest prompt
-    lookup (tokens/s, medians over prompts)."""
+    """Per suite (tokens/s, medians over prompts): our plain over each peer's plain, our fastest speculative
+    method over llama.cpp's plain, and our default drafter over llama.cpp's fastest prompt lookup."""
     lines = []
     for suite in dict.fromkeys(r["suite"] for r in greedy):
         rows = [r for r in greedy if r["suite"] == suite]
-        ours = next((r for r in rows if r["family"] == OURS and r["draft"] is None), None)
-        theirs = next((r for r in rows if r["family"] == LLAMA_CPP and r["draft"] is None), None)
+        ours = _plain(rows, OURS)
+        llama = _plain(rows, LLAMA_CPP)
+        speculative = [r for r in rows if r["family"] == OURS and r["draft"] is not None]
         lookups = [r for r in rows if r["family"] == LLAMA_CPP and r["draft"] is not None]
         drafter = default_drafter(rows)
         figures = []
-        if ours and theirs:
-            figures.append(f"our plain {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x llama.cpp's plain")
+        for peer in (LLAMA_CPP, ORT_GENAI):
+            theirs = _plain(rows, peer)
+            if ours and theirs:
+                figures.append(f"our plain {ours['tokens_per_s'] / theirs['tokens_per_s']:.2f}x {peer}'s plain")
+        if speculative and llama:
+            fastest = max(speculative, key=lambda r: r["tokens_per_s"])
+            figures.append(
+                f"our {fastest['method']} {fastest['tokens_per_s'] / llama['tokens_per_s']:.2f}x llama.cpp's plain"
+            )
         if drafter and lookups:
             lookup = max(lookups, key=lambda r: r["tokens_per_s"])
             figures.append(
@@ -123,3 +131,7 @@ def _ratio_lines(greedy: Sequence[dict]) -> str:
         if figures:
             lines.append(f"- **{suite}**: " + "; ".join(figures) + ".")
     return "\n".join(lines) + "\n" if lines else ""
+
+
+def _plain(rows: Sequence[dict], family: str) -> dict | None:
+    return next((r for r in rows if r["family"] == family and r["draft"] is None), None)
