@@ -70,6 +70,7 @@ def build_model(
     like: torch.nn.Module | None = None,
     noise: float = 0.0,
     head_dim: int | None = None,
+    max_position_embeddings: int = 256,
 ) -> torch.nn.Module:
     """A random model of ``family`` whose every parameter (biases and norm weights too) is non-trivial.
 
@@ -85,7 +86,7 @@ def build_model(
         num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
         bos_token_id=1,
         eos_token_id=2,

@@ -12,7 +12,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 
@@ -39,9 +39,20 @@ class ServerSettings:
     retry_after_s: int = 1
 
 
-def create_app(load: Callable[[], SpeculativeDecoder], settings: ServerSettings, lifecycle: Lifecycle) -> FastAPI:
-    """The application; ``load`` opens the decoder (it runs in a thread once the server is up)."""
-    metrics = ServerMetrics(settings.model_name)
+def create_app(
+    load: Callable[[], SpeculativeDecoder],
+    settings: ServerSettings,
+    lifecycle: Lifecycle,
+    *,
+    background_load: bool = True,
+    metrics: ServerMetrics | None = None,
+    scrape: Callable[[], Awaitable[bytes]] | None = None,
+) -> FastAPI:
+    """The application. ``load`` opens the decoder: in a thread once the server is up (answering 503 meanwhile),
+    or with ``background_load`` False during the startup itself, so that the app takes no request before it is
+    ready (as a Ray Serve replica needs). ``scrape`` answers /metrics in place of ``metrics``' own exposition
+    (a Ray replica answers with every replica's)."""
+    metrics = metrics or ServerMetrics(settings.model_name)
 
     def opened() -> SpeculativeDecoder:
         decoder = load()
@@ -52,7 +63,10 @@ def create_app(load: Callable[[], SpeculativeDecoder], settings: ServerSettings,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        threading.Thread(target=lifecycle.load, args=(opened,), name="specdec-load", daemon=True).start()
+        if background_load:
+            threading.Thread(target=lifecycle.load, args=(opened,), name="specdec-load", daemon=True).start()
+        else:
+            await asyncio.to_thread(lifecycle.load, opened)
         yield
         if lifecycle.decoder is not None:
             lifecycle.decoder.scheduler.close(cancel=True)
@@ -82,7 +96,8 @@ def create_app(load: Callable[[], SpeculativeDecoder], settings: ServerSettings,
 
     @app.get("/metrics", dependencies=[Depends(authorize)])
     async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        text = metrics.exposition() if scrape is None else await scrape()
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:

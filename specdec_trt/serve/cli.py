@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
+import importlib.util
+from dataclasses import replace
+
 import click
 import uvicorn
 from rich.console import Console
 
-from specdec_trt.cli_options import (
-    BackendOptions,
-    Command,
-    DraftLengthType,
-    backend_options,
-    default_draft,
-    draft_length_for,
-)
+from specdec_trt.cli_options import BackendOptions, Command, DraftLengthType, backend_options, default_draft
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
 from specdec_trt.serve.app import ServerSettings, create_app
 from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
+from specdec_trt.serve.options import DecoderOptions, ReplicaPlan
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -57,6 +54,24 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     help="Seconds that requests in flight get to finish after SIGTERM or SIGINT.",
 )
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info")
+@click.option(
+    "--ray",
+    "on_ray",
+    is_flag=True,
+    help="Serve replicas on Ray Serve behind Ray's HTTP proxy, each with its own engines and --max-batch-size "
+    "slots, taking --threads CPUs (default 1). Needs pip install 'specdec-trt[ray]'.",
+)
+@click.option("--replicas", type=click.IntRange(min=1), help="With --ray: replicas (the fewest, with --max-replicas).")
+@click.option(
+    "--max-replicas",
+    type=click.IntRange(min=1),
+    help="With --ray: scale between --replicas and this many on the number of requests waiting for a slot.",
+)
+@click.option(
+    "--ray-address",
+    help="With --ray: run on the Ray cluster at this address ('auto': the one this machine joined) instead of "
+    "starting one here.",
+)
 def serve(
     backend: BackendOptions,
     draft: str | None,
@@ -69,6 +84,10 @@ def serve(
     api_key: str | None,
     drain_timeout: float,
     log_level: str,
+    on_ray: bool,
+    replicas: int | None,
+    max_replicas: int | None,
+    ray_address: str | None,
 ) -> None:
     """Serve the OpenAI API (completions, chat completions, models) with lossless speculative decoding on
     continuous batching, plus /health and /metrics (Prometheus). Without --engines or --target it serves the
@@ -79,20 +98,30 @@ def serve(
       specdec-serve
       specdec-serve --engines engines/my-llama --port 8080 --api-key secret
       specdec-serve --target ./llama-1b --draft ./llama-160m --device cuda -k auto
+      specdec-serve --ray --replicas 2 --threads 1
     """
     err = Console(stderr=True)
     if draft is not None:
         default_draft(backend, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
     settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
+    options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue)
+    if on_ray:
+        plan = replica_plan(backend, replicas, max_replicas, drain_timeout)
+        serve_replicas(
+            options, settings, replace(plan, host=host, port=port, address=ray_address, log_level=log_level), err
+        )
+        return
+    given = [
+        name
+        for name, value in (("--replicas", replicas), ("--max-replicas", max_replicas), ("--ray-address", ray_address))
+        if value
+    ]
+    if given:
+        raise click.UsageError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --ray")
 
     def load() -> SpeculativeDecoder:
-        resolved = backend.resolved(err)
-        spec, gamma = default_draft(resolved, draft, num_draft_tokens)
-        loaded = resolved.open([spec], err)
-        decoder = SpeculativeDecoder.from_loaded(
-            loaded, draft_length_for(loaded, spec, gamma), max_batch_size=max_batch_size, max_queue=max_queue
-        )
+        decoder, spec = options.open(err)
         err.print(f"Ready: {settings.model_name} (draft {spec}, k={decoder.num_draft_tokens}) on http://{host}:{port}")
         return decoder
 
@@ -102,3 +131,27 @@ def serve(
     DrainingServer(config, lifecycle, drain_timeout).run()
     if lifecycle.state == FAILED and lifecycle.decoder is None:
         raise click.ClickException(f"could not load the models: {lifecycle.error}")
+
+
+def replica_plan(
+    backend: BackendOptions, replicas: int | None, max_replicas: int | None, drain_timeout: float
+) -> ReplicaPlan:
+    """The replicas of --ray, checked: autoscaling needs room above the fewest."""
+    replicas = replicas or 1
+    if max_replicas is not None and max_replicas < replicas:
+        raise click.UsageError(f"--max-replicas {max_replicas} is below --replicas {replicas}: give at least as many")
+    return ReplicaPlan(replicas, max_replicas, backend.threads or 1, drain_timeout)
+
+
+def serve_replicas(options: DecoderOptions, settings: ServerSettings, plan: ReplicaPlan, err: Console) -> None:
+    """Serve on Ray; a missing install or replicas that cannot start end the command with one line."""
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise click.ClickException("--ray needs Ray Serve: pip install 'specdec-trt[ray]'")
+    from ray.exceptions import RayError
+
+    from specdec_trt.serve.ray_app import serve_on_ray
+
+    try:
+        serve_on_ray(options, settings, plan, err)
+    except (RuntimeError, RayError) as error:  # Ray's deployment failures, whose first line says what failed
+        raise click.ClickException(f"the replicas could not start: {str(error).strip().splitlines()[0]}") from None

@@ -1,0 +1,52 @@
+"""What a server opens and how it is deployed, as plain data: the decoder's options (so that every Ray Serve
+replica opens the decoder the single server does) and the replicas' plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from specdec_trt.cli_options import BackendOptions, default_draft, draft_length_for
+from specdec_trt.decoder import DraftLength, SpeculativeDecoder
+from specdec_trt.draft_spec import DraftSpec
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """specdec-serve's backend and draft options, and its slots and waiting queue."""
+
+    backend: BackendOptions
+    draft: str | None
+    num_draft_tokens: DraftLength | None
+    max_batch_size: int
+    max_queue: int
+
+    def open(self, err: Console) -> tuple[SpeculativeDecoder, DraftSpec]:
+        """The decoder (building the default engines first if needed), and the draft it opened."""
+        resolved = self.backend.resolved(err)
+        spec, gamma = default_draft(resolved, self.draft, self.num_draft_tokens)
+        loaded = resolved.open([spec], err)
+        decoder = SpeculativeDecoder.from_loaded(
+            loaded,
+            draft_length_for(loaded, spec, gamma),
+            max_batch_size=self.max_batch_size,
+            max_queue=self.max_queue,
+        )
+        return decoder, spec
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """Ray Serve replicas: how many (``replicas``, or autoscaling from it up to ``max_replicas``), the CPUs (and
+    threads) each one takes, the seconds a stopping replica gives its requests in flight, where Ray's proxy
+    listens, the cluster (``address`` None: one started here) and the log level."""
+
+    replicas: int = 1
+    max_replicas: int | None = None
+    threads: int = 1
+    drain_timeout: float = 30.0
+    host: str = "127.0.0.1"
+    port: int = 8000
+    address: str | None = None
+    log_level: str = "info"
