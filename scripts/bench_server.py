@@ -44,11 +44,10 @@ from specdec_trt.bench.servers import (
     running,
     specdec_serve_argv,
 )
-from specdec_trt.bench.suites import load_suite
+from specdec_trt.bench.suites import interleaved_prompt_texts
 from specdec_trt.build import default_engine_dir
 from specdec_trt.cli_options import default_engines
 
-SUITES = ("code", "chat", "summarisation")
 LLAMA, LLAMA_LOOKUP = "llama.cpp", "llama.cpp lookup"
 OURS = "specdec"
 
@@ -126,7 +125,7 @@ def main(
         raise click.UsageError("--engines with --peers needs --peer-gguf: the same weights as a GGUF file")
     directory = engines or default_engines(console)
     tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
-    prompts = mixed_prompts(tokenizer)
+    prompts = interleaved_prompt_texts(tokenizer)
     methods = [ours(draft_length(k)) for k in draft_lengths.split(",")]
     if peers:
         methods += [peer(LLAMA, tokenizer.eos_token_id), peer(LLAMA_LOOKUP, tokenizer.eos_token_id)]
@@ -196,21 +195,6 @@ def main(
     draw(results, [m.name for m in methods], plot)
     console.print(json.dumps(data["summary"], indent=2))
     console.print(f"Wrote {out} and {plot}")
-
-
-def mixed_prompts(tokenizer) -> list[str]:
-    """The suites' prompts as texts, interleaved code, chat, summarisation, ..."""
-    suites = [load_suite(name).prompts for name in SUITES]
-    texts = []
-    for group in zip(*suites):
-        for prompt in group:
-            chat = [{"role": "user", "content": prompt.prompt}]
-            texts.append(
-                tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-                if prompt.chat
-                else prompt.prompt
-            )
-    return texts
 
 
 def table(row: dict, names: list[str]) -> Table:

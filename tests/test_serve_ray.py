@@ -1,7 +1,8 @@
 """``specdec-serve --ray`` as a process: a local Ray cluster on this machine with two replicas of a tiny model.
 Requests spread over both replicas with the single server's greedy outputs, /metrics carries every replica's
 samples, a replica killed mid-stream fails only its own streams (with an error, not a hang) while Ray replaces
-it, and SIGTERM leaves no Ray process behind. The metrics merge runs without Ray."""
+it, a queue deeper than the slots brings a second replica up under autoscaling, and SIGTERM leaves no Ray
+process behind. The metrics merge runs without Ray."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -58,6 +61,7 @@ def test_merged_metrics_label_every_sample_with_its_replica() -> None:
         (["--replicas", "2"], "--replicas needs --ray"),
         (["--replicas", "2", "--ray-address", "auto"], "--replicas and --ray-address need --ray"),
         (["--ray", "--replicas", "3", "--max-replicas", "2"], "--max-replicas 2 is below --replicas 3"),
+        (["--ray", "--device", "cuda"], "--ray replicas run on CPUs only"),
     ],
 )
 def test_replica_options_are_checked_before_anything_starts(args: list[str], message: str) -> None:
@@ -104,15 +108,16 @@ def replica_pid(replica: str) -> int:
     raise AssertionError(f"no process of replica {replica}")
 
 
-@needs_ray
-def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make_checkpoint) -> None:
-    target = make_checkpoint(family="llama", hidden_size=256, num_layers=6, max_position_embeddings=2048)
+@contextmanager
+def ray_server(target: Path, *options: str) -> Iterator[str]:
+    """``specdec-serve --ray`` on ``target`` with ``options``, once every replica is up: its URL. On the way
+    out: SIGTERM, exit status 0, and no Ray process left."""
     assert ray_processes() == [], "a Ray cluster is already running on this machine"
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [str(BIN / "specdec-serve"), "--ray", "--replicas", "2", "--threads", "1", "--port", str(port)]
-    argv += ["--target", str(target), "--draft", "none", "--max-batch-size", "2", "--log-level", "warning"]
-    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [str(BIN / "specdec-serve"), "--ray", "--port", str(port), "--target", str(target), "--draft", "none"]
+    process = subprocess.Popen(
+        [*argv, *options, "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     log: list[str] = []
     threading.Thread(target=lambda: log.extend(process.stdout), daemon=True).start()
     try:
@@ -120,6 +125,22 @@ def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make
         ready = lambda: any(line.startswith("Ready") for line in log) or process.poll() is not None  # noqa: E731
         wait_until(ready, "the replicas never became ready", 300)
         assert process.poll() is None, "".join(log)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            status = process.wait(120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    assert status == 0, "".join(log)[-2000:]
+    wait_until(lambda: ray_processes() == [], "Ray processes were left behind", 60)
+
+
+@needs_ray
+def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make_checkpoint) -> None:
+    target = make_checkpoint(family="llama", hidden_size=256, num_layers=6, max_position_embeddings=2048)
+    with ray_server(target, "--replicas", "2", "--threads", "1", "--max-batch-size", "2") as url:
         solo = SpeculativeDecoder.from_pretrained(target, None)
         expected = {p: solo.generate(p, SamplingParams(max_new_tokens=16, ignore_eos=True), 0).text for p in PROMPTS}
 
@@ -151,6 +172,7 @@ def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make
             record = streams[i] = {"events": [], "error": None, "replica": None}
             try:
                 with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+                    response.raise_for_status()
                     record["replica"] = response.headers[HEADER]
                     for event in sse_events(response.iter_lines()):
                         record["events"].append(event)
@@ -161,10 +183,13 @@ def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make
         runners = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for runner in runners:
             runner.start()
+        # Four streams fill the two replicas' four slots: all of them run before the kill.
+        started = lambda: len(streams) == 4 and all(s["events"] for s in streams.values())  # noqa: E731
         try:
-            wait_until(lambda: len({s["replica"] for s in streams.values() if s["events"]}) == 2, "", 60)
+            wait_until(started, "", 60)
         except AssertionError:
-            raise AssertionError(f"streams did not start on both replicas: {_summary(streams)}") from None
+            raise AssertionError(f"streams did not all start: {_summary(streams)}") from None
+        assert len({s["replica"] for s in streams.values()}) == 2, _summary(streams)
         victim = sorted(replicas)[0]
         os.kill(replica_pid(victim), signal.SIGKILL)
         killed = time.monotonic()
@@ -186,15 +211,34 @@ def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make
 
         assert victim not in replicas_answering()
         wait_until(lambda: len(replicas_answering() - replicas) > 0, "Ray did not replace the killed replica", 240)
-    finally:
-        process.send_signal(signal.SIGTERM)
+
+
+@needs_ray
+def test_a_queue_deeper_than_the_slots_scales_the_replicas_up(make_checkpoint) -> None:
+    target = make_checkpoint(family="llama", hidden_size=256, num_layers=6, max_position_embeddings=2048)
+    with ray_server(target, "--replicas", "1", "--max-replicas", "2", "--max-batch-size", "1") as url:
+        # Four clients in a closed loop on one slot: the queue stays deeper than the slots until a second
+        # replica takes its share.
+        seen: list[str] = []
+        done = threading.Event()
+
+        def client() -> None:
+            body = {"prompt": "the cat sat", "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+            while not done.is_set():
+                response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+                response.raise_for_status()
+                seen.append(response.headers[HEADER])
+
+        clients = [threading.Thread(target=client, daemon=True) for _ in range(4)]
+        for thread in clients:
+            thread.start()
         try:
-            status = process.wait(120)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert status == 0
-    wait_until(lambda: ray_processes() == [], "Ray processes were left behind", 60)
+            wait_until(lambda: len(set(seen)) == 2, f"no second replica came up: {sorted(set(seen))}", 240)
+        finally:
+            done.set()
+            for thread in clients:
+                thread.join(120)
+        assert not any(thread.is_alive() for thread in clients)
 
 
 def _summary(streams: dict[int, dict]) -> list[tuple]:

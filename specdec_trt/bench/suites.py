@@ -57,6 +57,21 @@ def load_suite(name_or_path: str | Path) -> Suite:
     return Suite(path.stem, tuple(prompts))
 
 
+def interleaved_prompt_texts(tokenizer, suites: tuple[str, ...] = ("code", "chat", "summarisation")) -> list[str]:
+    """The suites' prompts as texts for an OpenAI completions request, interleaved (code, chat, summarisation,
+    code, ...); chat prompts rendered with ``tokenizer``'s chat template."""
+    texts = []
+    for group in zip(*(load_suite(name).prompts for name in suites)):
+        for prompt in group:
+            chat = [{"role": "user", "content": prompt.prompt}]
+            texts.append(
+                tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+                if prompt.chat
+                else prompt.prompt
+            )
+    return texts
+
+
 def _parse(line: str, where: str) -> BenchPrompt:
     try:
         item = json.loads(line)

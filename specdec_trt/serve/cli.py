@@ -136,7 +136,12 @@ def serve(
 def replica_plan(
     backend: BackendOptions, replicas: int | None, max_replicas: int | None, drain_timeout: float
 ) -> ReplicaPlan:
-    """The replicas of --ray, checked: autoscaling needs room above the fewest."""
+    """The replicas of --ray, checked: autoscaling needs room above the fewest, and replicas take CPUs only
+    (Ray would place every replica on the node's first GPU unless each asked for one)."""
+    if backend.device is not None and backend.device.startswith("cuda"):
+        raise click.UsageError(
+            "--ray replicas run on CPUs only: for a GPU, run one specdec-serve --device cuda per GPU without --ray"
+        )
     replicas = replicas or 1
     if max_replicas is not None and max_replicas < replicas:
         raise click.UsageError(f"--max-replicas {max_replicas} is below --replicas {replicas}: give at least as many")

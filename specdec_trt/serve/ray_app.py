@@ -160,6 +160,8 @@ def serve_on_ray(options: DecoderOptions, settings: ServerSettings, plan: Replic
     if plan.address is None:
         # On a busy machine a new worker process takes longer than Serve's 5 s to report its proxy ready.
         os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", str(PROXY_READY_TIMEOUT_S))
+        # Ray starts its workers at niceness 15; the replicas are the workload here, not background work.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(include_dashboard=False, logging_level=logging.WARNING)
     else:
         ray.init(address=plan.address, logging_level=logging.WARNING)
@@ -176,8 +178,11 @@ def serve_on_ray(options: DecoderOptions, settings: ServerSettings, plan: Replic
             )
         except RuntimeError as error:
             raise RuntimeError(_replica_failure() or str(error)) from None
-        scaling = f"{plan.replicas}" if plan.max_replicas is None else f"{plan.replicas} to {plan.max_replicas}"
-        err.print(f"Ready: {settings.model_name} on {scaling} Ray Serve replicas at http://{plan.host}:{plan.port}")
+        if plan.max_replicas is not None:
+            scaling = f"{plan.replicas} to {plan.max_replicas} Ray Serve replicas"
+        else:
+            scaling = f"{plan.replicas} Ray Serve replica" + "s" * (plan.replicas > 1)
+        err.print(f"Ready: {settings.model_name} on {scaling} at http://{plan.host}:{plan.port}")
         while not stop.wait(0.5):  # a short wait, so that the signal handlers run
             pass
         err.print("Stopping: the replicas finish the requests in flight…")
