@@ -70,6 +70,7 @@ def main(
     directory = engines or default_engines(console)
     decoder = decoder_for(directory, max_batch_size)
     prompts = mixed_prompts(decoder)
+    decoder.generate(prompts[0], SamplingParams(max_new_tokens=8), "auto")  # warm-up: the scheduler's profile
     levels = [int(c) for c in concurrency.split(",")]
     gammas = parse_methods(methods)
     data: dict = {

@@ -6,10 +6,10 @@ not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of i
 
 1. takes in submissions and cancellations, and admits waiting requests into free slots (FIFO);
 2. prefills one chunk over the requests being admitted, in one pass: up to ``prefill_chunk`` prompt tokens,
-   fewer where a chunk that long would take longer than a round (timed as they run, never under
-   ``MIN_PREFILL_CHUNK``), so that a long prompt delays the running requests by about one round per round,
-   never by its whole prefill (with no request decoding there is nobody to delay, and every admitted prompt
-   is prefilled at once);
+   fewer where a chunk that long would take longer than ``CHUNK_ROUNDS`` rounds (timed as they run, never
+   under ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens come
+   at most about ``CHUNK_ROUNDS + 1`` times further apart than a round, never after its whole prefill (with no
+   request decoding there is nobody to delay, and every admitted prompt is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
    from each request's own acceptance and a cost model fitted per number of rows (a request whose drafts do
@@ -48,6 +48,7 @@ AUTO = "auto"
 DraftLength = int | str  # a number of drafts per round, or AUTO
 DEFAULT_PREFILL_CHUNK = 256  # the most prompt tokens prefilled per engine step, over the requests being admitted
 MIN_PREFILL_CHUNK = 16  # the fewest, however slow a prefill is next to a round
+CHUNK_ROUNDS = 1.5  # the most rounds' time a prefill chunk beside decoding requests may take
 FIRST_SLOTS = 8  # slots reserved at first when the number of slots is not bounded (it doubles as needed)
 PROFILE_CONTEXT = 32  # cached tokens behind each step the start-up profile times
 PROFILE_REPEATS = 2
@@ -238,7 +239,7 @@ class Scheduler:
         self.draft_confidence_threshold = draft_confidence_threshold
         self.max_context = min(m for m in (target.max_context, drafter and drafter.max_context) if m)
         self.controllers = {part: DraftLengthController(max_auto_draft) for part in (MODEL, LOOKUP)}
-        self._prefill_cost = DecayedLine(TIME_DECAY, through_origin=True)  # seconds of a prefill pass by tokens
+        self._prefill_cost = DecayedLine(TIME_DECAY, through_origin=True)  # a prefill pass's seconds by its tokens
         self._round_s: float | None = None  # decayed mean seconds of a round
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -367,13 +368,14 @@ class Scheduler:
             self._round(decoding)
 
     def _chunk_budget(self) -> int:
-        """Prompt tokens of the next prefill chunk beside decoding requests: as many as take about a round's
-        time (from the prefill passes and rounds timed so far), between ``MIN_PREFILL_CHUNK`` and
-        ``prefill_chunk``."""
+        """Prompt tokens of the next prefill chunk beside decoding requests: as many as take about
+        ``CHUNK_ROUNDS`` rounds' time (from the prefill passes and rounds timed so far), between
+        ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``. Each pass rereads the weights, so a chunk much shorter
+        than that would spend most of its time on the pass's fixed cost."""
         fixed, per_token = self._prefill_cost.coefficients()
         if self._round_s is None or per_token <= 0:
             return self.prefill_chunk
-        fitting = int((self._round_s - fixed) / per_token)
+        fitting = int((CHUNK_ROUNDS * self._round_s - fixed) / per_token)
         return min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
 
     def _admit(self, budget: int | None) -> None:
@@ -455,7 +457,7 @@ class Scheduler:
         if drafting:
             self.drafter.prefill(*zip(*drafting))
         draft_s = time.perf_counter() - tick
-        self._prefill_cost.add(sum(sizes), time.perf_counter() - start)
+        self._prefill_cost.add(len(rows) * longest, time.perf_counter() - start)  # padding is computed too
         complete = []
         for i, (request, chunk) in enumerate(zip(rows, chunks)):
             request.prefilled += len(chunk)

@@ -6,11 +6,13 @@ process behind. The metrics merge runs without Ray."""
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -73,13 +75,14 @@ def test_replica_options_are_checked_before_anything_starts(args: list[str], mes
 def test_replicas_that_cannot_start_end_the_command_with_the_error_in_one_line(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     argv = [str(BIN / "specdec-serve"), "--ray", "--port", str(free_port()), "--target", str(tmp_path)]
-    done = subprocess.run(
-        [*argv, "--draft", "none", "--log-level", "warning"], capture_output=True, text=True, timeout=300
-    )
+    with the_one_ray_cluster():
+        done = subprocess.run(
+            [*argv, "--draft", "none", "--log-level", "warning"], capture_output=True, text=True, timeout=300
+        )
+        wait_until(lambda: ray_processes() == [], "Ray processes were left behind", 60)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 1 and last.startswith("Error: the replicas could not start: "), done.stderr[-2000:]
     assert "model_type None is not supported" in last
-    wait_until(lambda: ray_processes() == [], "Ray processes were left behind", 60)
 
 
 def ray_processes() -> list[int]:
@@ -109,9 +112,23 @@ def replica_pid(replica: str) -> int:
 
 
 @contextmanager
+def the_one_ray_cluster() -> Iterator[None]:
+    """Take the machine's one local Ray cluster for a test: pytest-xdist may run these tests in two workers at
+    once, and each test starts a cluster of its own and checks that it leaves no Ray process behind."""
+    with open(Path(tempfile.gettempdir()) / "specdec-trt-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
+@contextmanager
 def ray_server(target: Path, *options: str) -> Iterator[str]:
     """``specdec-serve --ray`` on ``target`` with ``options``, once every replica is up: its URL. On the way
     out: SIGTERM, exit status 0, and no Ray process left."""
+    with the_one_ray_cluster():
+        yield from _ray_server(target, *options)
+
+
+def _ray_server(target: Path, *options: str) -> Iterator[str]:
     assert ray_processes() == [], "a Ray cluster is already running on this machine"
     port = free_port()
     argv = [str(BIN / "specdec-serve"), "--ray", "--port", str(port), "--target", str(target), "--draft", "none"]
