@@ -8,8 +8,8 @@ not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of i
 2. prefills one chunk over the requests being admitted, in one pass: up to ``prefill_chunk`` prompt tokens,
    fewer where a chunk that long would take longer than ``CHUNK_ROUNDS`` rounds (timed as they run, never
    under ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens come
-   at most about ``CHUNK_ROUNDS + 1`` times further apart than a round, never after its whole prefill (with no
-   request decoding there is nobody to delay, and every admitted prompt is prefilled at once);
+   about ``CHUNK_ROUNDS + 1`` times further apart than a round, never after its whole prefill (with no request
+   decoding there is nobody to delay, and every admitted prompt is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
    from each request's own acceptance and a cost model fitted per number of rows (a request whose drafts do
@@ -48,7 +48,7 @@ AUTO = "auto"
 DraftLength = int | str  # a number of drafts per round, or AUTO
 DEFAULT_PREFILL_CHUNK = 256  # the most prompt tokens prefilled per engine step, over the requests being admitted
 MIN_PREFILL_CHUNK = 16  # the fewest, however slow a prefill is next to a round
-CHUNK_ROUNDS = 1.5  # the most rounds' time a prefill chunk beside decoding requests may take
+CHUNK_ROUNDS = 1.0  # the most rounds' time a prefill chunk beside decoding requests may take
 FIRST_SLOTS = 8  # slots reserved at first when the number of slots is not bounded (it doubles as needed)
 PROFILE_CONTEXT = 32  # cached tokens behind each step the start-up profile times
 PROFILE_REPEATS = 2

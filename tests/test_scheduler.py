@@ -196,15 +196,15 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_dec
         handle.cancel()
 
 
-def test_a_prefill_chunk_takes_about_one_and_a_half_rounds(make_decoder) -> None:
+def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
     """Beside decoding requests a chunk holds as many prompt tokens as take CHUNK_ROUNDS rounds' time, from the
     passes timed so far: never more than prefill_chunk, never fewer than MIN_PREFILL_CHUNK."""
     scheduler = make_decoder(prefill_chunk=256).scheduler
     assert scheduler._chunk_budget() == 256  # nothing timed yet
     for tokens in (10, 50, 100):
         scheduler._prefill_cost.add(tokens, 0.013 + 0.0014 * tokens)
-    scheduler._round_s = 0.028
-    assert scheduler._chunk_budget() == int((CHUNK_ROUNDS * 0.028 - 0.013) / 0.0014) == 20
+    scheduler._round_s = 0.0425
+    assert scheduler._chunk_budget() == int((CHUNK_ROUNDS * 0.0425 - 0.013) / 0.0014) == 21
     scheduler._round_s = 0.5
     assert scheduler._chunk_budget() == 256
     scheduler._round_s = 0.004
