@@ -23,7 +23,15 @@ from specdec_trt.drafting import Drafter
 from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
 from specdec_trt.runtime.engine import ContextOverflowError, Engine
 from specdec_trt.sampling import SamplingParams
-from specdec_trt.scheduler import AUTO, DEFAULT_PREFILL_CHUNK, DraftLength, GenerationOutput, RequestHandle, Scheduler
+from specdec_trt.scheduler import (
+    AUTO,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_PREFILL_CHUNK_ROUNDS,
+    DraftLength,
+    GenerationOutput,
+    RequestHandle,
+    Scheduler,
+)
 from specdec_trt.user_text import check_text
 from specdec_trt.validation import (
     InvalidTypeError,
@@ -100,8 +108,8 @@ class SpeculativeDecoder:
     replaces auto's cost-aware stop with a fixed cut-off (as transformers' ``assistant_confidence_threshold``):
     a model draft's rounds run up to the limit and end after a token the draft gave less than this probability
     in every row (0: never); prompt lookup's rounds draft the length auto chooses. ``max_batch_size``,
-    ``max_queue`` and ``prefill_chunk`` set up its ``Scheduler``. The decoder owns its engines: while it
-    serves, nothing else may run them.
+    ``max_queue``, ``prefill_chunk`` and ``prefill_chunk_rounds`` set up its ``Scheduler``. The decoder owns its
+    engines: while it serves, nothing else may run them.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class SpeculativeDecoder:
         max_batch_size: int | None = None,
         max_queue: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk_rounds: float | None = DEFAULT_PREFILL_CHUNK_ROUNDS,
     ) -> None:
         check_num_draft_tokens(num_draft_tokens)
         if draft_confidence_threshold is not None and not 0 <= draft_confidence_threshold <= 1:
@@ -137,6 +146,7 @@ class SpeculativeDecoder:
             max_batch_size=max_batch_size,
             max_queue=max_queue,
             prefill_chunk=prefill_chunk,
+            prefill_chunk_rounds=prefill_chunk_rounds,
             draft_confidence_threshold=draft_confidence_threshold,
         )
         self.max_context = self.scheduler.max_context
@@ -202,7 +212,7 @@ class SpeculativeDecoder:
         **scheduling,
     ) -> SpeculativeDecoder:
         """A decoder over models opened by ``specdec_trt.loading`` with at most one draft; ``scheduling``:
-        ``max_batch_size``, ``max_queue``, ``prefill_chunk`` (see ``Scheduler``)."""
+        ``max_batch_size``, ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds`` (see ``Scheduler``)."""
         return cls(
             loaded.target,
             loaded.only_drafter(),

@@ -6,10 +6,10 @@ not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of i
 
 1. takes in submissions and cancellations, and admits waiting requests into free slots (FIFO);
 2. prefills one chunk over the requests being admitted, in one pass: up to ``prefill_chunk`` prompt tokens,
-   fewer where a chunk that long would take longer than ``CHUNK_ROUNDS`` rounds (timed as they run, never
-   under ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens come
-   about ``CHUNK_ROUNDS + 1`` times further apart than a round, never after its whole prefill (with no request
-   decoding there is nobody to delay, and every admitted prompt is prefilled at once);
+   fewer where a chunk that long would take longer than ``prefill_chunk_rounds`` rounds (timed as they run,
+   never under ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens
+   come about ``prefill_chunk_rounds + 1`` times further apart than a round, never after its whole prefill
+   (with no request decoding there is nobody to delay, and every admitted prompt is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
    from each request's own acceptance and a cost model fitted per number of rows (a request whose drafts do
@@ -48,7 +48,7 @@ AUTO = "auto"
 DraftLength = int | str  # a number of drafts per round, or AUTO
 DEFAULT_PREFILL_CHUNK = 256  # the most prompt tokens prefilled per engine step, over the requests being admitted
 MIN_PREFILL_CHUNK = 16  # the fewest, however slow a prefill is next to a round
-CHUNK_ROUNDS = 1.0  # the most rounds' time a prefill chunk beside decoding requests may take
+DEFAULT_PREFILL_CHUNK_ROUNDS = 1.0  # the most rounds' time a prefill chunk beside decoding requests may take
 FIRST_SLOTS = 8  # slots reserved at first when the number of slots is not bounded (it doubles as needed)
 PROFILE_CONTEXT = 32  # cached tokens behind each step the start-up profile times
 PROFILE_REPEATS = 2
@@ -209,8 +209,11 @@ class Scheduler:
 
     ``max_batch_size``: slots, the most requests decoding at once (None: as many as arrive; the engines' caches
     grow to hold them). ``max_queue``: the most requests waiting for a slot (None: no limit); past it,
-    ``submit`` raises ``QueueFullError``. ``max_auto_draft``: the longest draft "auto" may choose.
-    ``draft_confidence_threshold``: a fixed cut-off for auto's model drafts instead of its cost-aware stop.
+    ``submit`` raises ``QueueFullError``. ``prefill_chunk_rounds``: the most rounds' time a prefill chunk
+    beside decoding requests may take (None: no bound, chunks of ``prefill_chunk`` tokens: fewer passes, so
+    more tokens/s under load, and longer stalls of the running streams while a prompt is prefilled).
+    ``max_auto_draft``: the longest draft "auto" may choose. ``draft_confidence_threshold``: a fixed cut-off
+    for auto's model drafts instead of its cost-aware stop.
     Requests are validated by the caller (``SpeculativeDecoder``) before they are submitted."""
 
     def __init__(
@@ -224,6 +227,7 @@ class Scheduler:
         max_batch_size: int | None = None,
         max_queue: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk_rounds: float | None = DEFAULT_PREFILL_CHUNK_ROUNDS,
         draft_confidence_threshold: float | None = None,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
@@ -232,9 +236,12 @@ class Scheduler:
             raise ValueError(f"max_queue must be >= 0 or None, got {max_queue}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_chunk_rounds is not None and not prefill_chunk_rounds > 0:
+            raise ValueError(f"prefill_chunk_rounds must be > 0 or None, got {prefill_chunk_rounds}")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_batch_size, self.max_queue, self.prefill_chunk = max_batch_size, max_queue, prefill_chunk
+        self.prefill_chunk_rounds = prefill_chunk_rounds
         self.max_auto_draft = max_auto_draft
         self.draft_confidence_threshold = draft_confidence_threshold
         self.max_context = min(m for m in (target.max_context, drafter and drafter.max_context) if m)
@@ -369,13 +376,13 @@ class Scheduler:
 
     def _chunk_budget(self) -> int:
         """Prompt tokens of the next prefill chunk beside decoding requests: as many as take about
-        ``CHUNK_ROUNDS`` rounds' time (from the prefill passes and rounds timed so far), between
+        ``prefill_chunk_rounds`` rounds' time (from the prefill passes and rounds timed so far), between
         ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``. Each pass rereads the weights, so a chunk much shorter
         than that would spend most of its time on the pass's fixed cost."""
         fixed, per_token = self._prefill_cost.coefficients()
-        if self._round_s is None or per_token <= 0:
+        if self.prefill_chunk_rounds is None or self._round_s is None or per_token <= 0:
             return self.prefill_chunk
-        fitting = int((CHUNK_ROUNDS * self._round_s - fixed) / per_token)
+        fitting = int((self.prefill_chunk_rounds * self._round_s - fixed) / per_token)
         return min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
 
     def _admit(self, budget: int | None) -> None:

@@ -37,7 +37,7 @@ from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.sampling import BatchSampler
 from specdec_trt.scheduler import (
     AUTO,
-    CHUNK_ROUNDS,
+    DEFAULT_PREFILL_CHUNK_ROUNDS,
     MIN_PREFILL_CHUNK,
     GenerationError,
     QueueFullError,
@@ -197,18 +197,41 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_dec
 
 
 def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
-    """Beside decoding requests a chunk holds as many prompt tokens as take CHUNK_ROUNDS rounds' time, from the
-    passes timed so far: never more than prefill_chunk, never fewer than MIN_PREFILL_CHUNK."""
+    """Beside decoding requests a chunk holds as many prompt tokens as take a round's time (by default), from
+    the passes timed so far: never more than prefill_chunk, never fewer than MIN_PREFILL_CHUNK."""
     scheduler = make_decoder(prefill_chunk=256).scheduler
+    assert scheduler.prefill_chunk_rounds == DEFAULT_PREFILL_CHUNK_ROUNDS == 1.0
     assert scheduler._chunk_budget() == 256  # nothing timed yet
     for tokens in (10, 50, 100):
         scheduler._prefill_cost.add(tokens, 0.013 + 0.0014 * tokens)
     scheduler._round_s = 0.0425
-    assert scheduler._chunk_budget() == int((CHUNK_ROUNDS * 0.0425 - 0.013) / 0.0014) == 21
+    assert scheduler._chunk_budget() == int((0.0425 - 0.013) / 0.0014) == 21
     scheduler._round_s = 0.5
     assert scheduler._chunk_budget() == 256
     scheduler._round_s = 0.004
     assert scheduler._chunk_budget() == MIN_PREFILL_CHUNK
+
+
+def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(make_decoder) -> None:
+    """Twice the rounds' time, chunks take twice the time; no bound: chunks of prefill_chunk tokens, and the
+    long prompt of the interleaving test is prefilled in as few passes as that allows."""
+    scheduler = make_decoder(prefill_chunk=256, prefill_chunk_rounds=2.0).scheduler
+    for tokens in (10, 50, 100):
+        scheduler._prefill_cost.add(tokens, 0.013 + 0.0014 * tokens)
+    scheduler._round_s = 0.0425
+    assert scheduler._chunk_budget() == int((2 * 0.0425 - 0.013) / 0.0014) == 51
+    decoder = make_decoder(prefill_chunk=40, prefill_chunk_rounds=None)
+    decoder.scheduler.events = events = []
+    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), 2)
+    for handle in runners:
+        next(iter(handle))
+    arriving = decoder.submit("the cat sat on the mat, " * 4 + "and on", GREEDY, 2)  # 102 tokens
+    arriving.result()
+    assert [r for kind, r in events if kind == "prefill"].count(arriving.request_id) == 3  # 40 + 40 + 22
+    for handle in runners:
+        handle.cancel()
+    with pytest.raises(ValueError, match="prefill_chunk_rounds must be > 0 or None"):
+        make_decoder(prefill_chunk_rounds=0)
 
 
 def test_a_paused_stream_is_not_disturbed_by_another_call(make_decoder) -> None:

@@ -13,10 +13,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from rich.console import Console
 from serving import API_KEY, MODEL, serve, sse_events, wait_until
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.cli_options import BackendOptions
 from specdec_trt.scheduler import AUTO
+from specdec_trt.serve.options import DecoderOptions
 
 PROMPTS = ["the cat sat on the mat", "hello there", "abc abc abc abc", "a long way", "quiet", "one two one two"]
 TOKENS = 40
@@ -385,3 +388,11 @@ def test_health_and_requests_answer_503_while_loading(checkpoints) -> None:
         release.set()
         wait_until(lambda: served.http.get("/health").status_code == 200, "never ready")
         assert served.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_prefill_chunk_rounds_reach_the_scheduler_with_0_for_no_bound(checkpoints) -> None:
+    """specdec-serve's --prefill-chunk-rounds, as the server's decoder options carry it."""
+    for rounds, expected in ((2.5, 2.5), (0.0, None)):
+        options = DecoderOptions(BackendOptions(target=checkpoints[0]), "none", 0, 2, 4, rounds)
+        decoder, _ = options.open(Console(stderr=True))
+        assert decoder.scheduler.prefill_chunk_rounds == expected

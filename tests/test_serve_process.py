@@ -38,7 +38,8 @@ def health(url: str) -> int | None:
 
 def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(make_checkpoint) -> None:
     target = make_checkpoint(family="llama", hidden_size=256, num_layers=6)  # slow enough to be caught mid-stream
-    process, url = start("--target", str(target), "--draft", "none", "--max-batch-size", "2", "--threads", "1")
+    options = ["--draft", "none", "--max-batch-size", "2", "--threads", "1", "--prefill-chunk-rounds", "0"]
+    process, url = start("--target", str(target), *options)
     try:
         wait_until(lambda: health(url) == 200 or process.poll() is not None, "the server never became ready", 120)
         assert process.poll() is None, process.stderr.read()

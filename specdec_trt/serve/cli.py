@@ -11,6 +11,7 @@ from rich.console import Console
 
 from specdec_trt.cli_options import BackendOptions, Command, DraftLengthType, backend_options, default_draft
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
+from specdec_trt.scheduler import DEFAULT_PREFILL_CHUNK_ROUNDS
 from specdec_trt.serve.app import ServerSettings, create_app
 from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
 from specdec_trt.serve.options import DecoderOptions, ReplicaPlan
@@ -37,6 +38,14 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @click.option("--max-batch-size", type=click.IntRange(min=1), default=8, help="Slots: requests decoding at once.")
 @click.option(
     "--max-queue", type=click.IntRange(min=0), default=64, help="Requests waiting for a slot; past it: HTTP 429."
+)
+@click.option(
+    "--prefill-chunk-rounds",
+    type=click.FloatRange(min=0),
+    default=DEFAULT_PREFILL_CHUNK_ROUNDS,
+    show_default=True,
+    help="The most rounds' time a chunk of a prompt being prefilled may hold up the running requests. Larger: "
+    "more tokens/s under load, longer pauses in the running streams; 0: no bound (chunks of 256 tokens).",
 )
 @click.option(
     "--served-model-name",
@@ -80,6 +89,7 @@ def serve(
     port: int,
     max_batch_size: int,
     max_queue: int,
+    prefill_chunk_rounds: float,
     served_model_name: str | None,
     api_key: str | None,
     drain_timeout: float,
@@ -105,7 +115,7 @@ def serve(
         default_draft(backend, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
     settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
-    options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue)
+    options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds or None)
     if on_ray:
         plan = replica_plan(backend, replicas, max_replicas, drain_timeout)
         serve_replicas(

@@ -10,17 +10,20 @@ from rich.console import Console
 from specdec_trt.cli_options import BackendOptions, default_draft, draft_length_for
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
 from specdec_trt.draft_spec import DraftSpec
+from specdec_trt.scheduler import DEFAULT_PREFILL_CHUNK_ROUNDS
 
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """specdec-serve's backend and draft options, and its slots and waiting queue."""
+    """specdec-serve's backend and draft options, its slots and waiting queue, and how long a prefill chunk
+    may hold up the running requests (``prefill_chunk_rounds``, in rounds; 0: no bound)."""
 
     backend: BackendOptions
     draft: str | None
     num_draft_tokens: DraftLength | None
     max_batch_size: int
     max_queue: int
+    prefill_chunk_rounds: float = DEFAULT_PREFILL_CHUNK_ROUNDS
 
     def open(self, err: Console) -> tuple[SpeculativeDecoder, DraftSpec]:
         """The decoder (building the default engines first if needed), and the draft it opened."""
@@ -32,6 +35,7 @@ class DecoderOptions:
             draft_length_for(loaded, spec, gamma),
             max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
+            prefill_chunk_rounds=self.prefill_chunk_rounds or None,
         )
         return decoder, spec
 
