@@ -115,7 +115,7 @@ def serve(
         default_draft(backend, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
     settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
-    options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds or None)
+    options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds)
     if on_ray:
         plan = replica_plan(backend, replicas, max_replicas, drain_timeout)
         serve_replicas(
