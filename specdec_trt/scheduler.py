@@ -8,7 +8,8 @@ not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of i
 2. prefills one chunk over the requests being admitted, in one pass: up to ``prefill_chunk`` prompt tokens,
    fewer where a chunk that long would take longer than ``prefill_chunk_rounds`` rounds (timed as they run,
    never under ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens
-   come about ``prefill_chunk_rounds + 1`` times further apart than a round, never after its whole prefill
+   come about ``prefill_chunk_rounds + 1`` times further apart than a round (more while more prompts wait
+   for their first token than requests decode), never after its whole prefill
    (with no request decoding there is nobody to delay, and every admitted prompt is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
@@ -31,15 +32,16 @@ import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec_trt.drafting import LOOKUP, MODEL, Drafter, StopRule, confidence_below, pad_right
+from specdec_trt.prefill_cost import PrefillCost
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
-from specdec_trt.schedule import TIME_DECAY, AcceptanceEvidence, DecayedLine, DraftLengthController, PassContext
+from specdec_trt.schedule import TIME_DECAY, AcceptanceEvidence, DraftLengthController, PassContext
 from specdec_trt.speculation import speculative_round
 from specdec_trt.stats import GenerationStats
 from specdec_trt.text import TextTracker
@@ -246,8 +248,9 @@ class Scheduler:
         self.draft_confidence_threshold = draft_confidence_threshold
         self.max_context = min(m for m in (target.max_context, drafter and drafter.max_context) if m)
         self.controllers = {part: DraftLengthController(max_auto_draft) for part in (MODEL, LOOKUP)}
-        self._prefill_cost = DecayedLine(TIME_DECAY, through_origin=True)  # a prefill pass's seconds by its tokens
+        self._prefill_cost = PrefillCost(TIME_DECAY)
         self._round_s: float | None = None  # decayed mean seconds of a round
+        self._round_host_s = 0.0  # decayed mean seconds of a round's host work around its draft and verify
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -376,14 +379,22 @@ class Scheduler:
 
     def _chunk_budget(self) -> int:
         """Prompt tokens of the next prefill chunk beside decoding requests: as many as take about
-        ``prefill_chunk_rounds`` rounds' time (from the prefill passes and rounds timed so far), between
+        ``prefill_chunk_rounds`` rounds' time, times the prompts waiting for their first token per decoding
+        request where they are more (each chunk holds up every decoding stream, each round every prompt behind
+        it: a burst of prompts beside one stream is not prefilled a sliver at a time). Timed from the prefill
+        passes and rounds so far, at the context the oldest prompt being prefilled has reached; between
         ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``. Each pass rereads the weights, so a chunk much shorter
         than that would spend most of its time on the pass's fixed cost."""
-        fixed, per_token = self._prefill_cost.coefficients()
-        if self.prefill_chunk_rounds is None or self._round_s is None or per_token <= 0:
+        if self.prefill_chunk_rounds is None or self._round_s is None:
             return self.prefill_chunk
-        fitting = int((self.prefill_chunk_rounds * self._round_s - fixed) / per_token)
-        return min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
+        active = list(self._active.values())
+        decoding = sum(r.decoding for r in active)
+        free = len(self._waiting) if self.max_batch_size is None else self.max_batch_size - len(active)
+        prompts = len(active) - decoding + min(len(self._waiting), max(free, 0))
+        share = max(1.0, prompts / max(decoding, 1))
+        cached = next((r.prefilled for r in active if not r.decoding), 0)
+        fitting = self._prefill_cost.longest_chunk(cached, self.prefill_chunk_rounds * self._round_s * share)
+        return self.prefill_chunk if fitting is None else min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
 
     def _admit(self, budget: int | None) -> None:
         """Waiting requests into free slots, in order, while the next prefill chunk (``budget`` tokens, None:
@@ -456,6 +467,7 @@ class Scheduler:
             longest, total = widest, total + len(chunk)
             budget = None if budget is None else budget - len(chunk)
         sizes = [len(c) for c in chunks]
+        cached = [r.prefilled for r in rows]
         block = torch.tensor(pad_right(chunks))
         start = time.perf_counter()
         logits = self.target.step([r.slot for r in rows], block, sizes, [n - 1 for n in sizes])
@@ -464,7 +476,7 @@ class Scheduler:
         if drafting:
             self.drafter.prefill(*zip(*drafting))
         draft_s = time.perf_counter() - tick
-        self._prefill_cost.add(len(rows) * longest, time.perf_counter() - start)  # padding is computed too
+        self._prefill_cost.add(cached, longest, time.perf_counter() - start)  # padding is computed too
         complete = []
         for i, (request, chunk) in enumerate(zip(rows, chunks)):
             request.prefilled += len(chunk)
@@ -485,6 +497,7 @@ class Scheduler:
 
     def _round(self, rows: list[_Request]) -> None:
         """One speculative round over every decoding request."""
+        start = time.perf_counter()
         slots, sequences = [r.slot for r in rows], [r.sequence for r in rows]
         # A pass pads every row to the widest: the row with the least room left bounds the drafts.
         room = min(self.max_context - len(s) for s in sequences)
@@ -507,6 +520,17 @@ class Scheduler:
             request.stats.verify_s += result.verify_s
             request.extend(tokens)
             self._emit(request)
+        host_s = time.perf_counter() - start - seconds
+        self._round_host_s = TIME_DECAY * self._round_host_s + (1 - TIME_DECAY) * host_s
+
+    def _round_fixed_s(self) -> float:
+        """Seconds each round costs beyond its draft and verify passes, whatever it drafts: its host work, and
+        while a prompt is being prefilled in chunks of a round's time (or waits for a free slot), the fixed
+        cost of the chunk that follows it. Fewer, fuller rounds pay these fewer times."""
+        room = self.max_batch_size is None or len(self._active) < self.max_batch_size
+        prefilling = any(not r.decoding for r in self._active.values()) or bool(self._waiting and room)
+        chunked = prefilling and self.prefill_chunk_rounds is not None
+        return self._round_host_s + (float(self._prefill_cost.coefficients()[0]) if chunked else 0.0)
 
     def _plan_auto(
         self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int
@@ -518,6 +542,7 @@ class Scheduler:
         members = {part: [i for i in auto if parts[i] == part] for part in (LOOKUP, MODEL)}
         planned_tokens = float(len(rows) - len(auto))  # the other rows' own tokens, at least
         unplanned = len(auto)
+        fixed_s = self._round_fixed_s()
         stop_rules: dict[str, StopRule] = {}
         for part, indices in members.items():
             if not indices:
@@ -525,7 +550,7 @@ class Scheduler:
             controller = self.controllers[part]
             evidence = [rows[i].evidence.setdefault(part, controller.evidence()) for i in indices]
             unplanned -= len(indices)  # the rows of kinds planned later count their own token
-            context = PassContext(len(rows), planned_tokens + unplanned, max(limits))
+            context = PassContext(len(rows), planned_tokens + unplanned, max(limits), fixed_s)
             needed = max(rows[i].remaining - 1 for i in indices)
             lengths = controller.plan(evidence, min(needed, room), context)
             for i, length in zip(indices, lengths):
@@ -535,7 +560,7 @@ class Scheduler:
             planned_tokens += float(sum(tokens[n, limits[i]] for n, i in enumerate(indices)))
             if drafting:
                 slots = [rows[indices[n]].slot for n in drafting]
-                stop_context = PassContext(len(rows), context.tokens + len(indices) - len(drafting), context.width)
+                stop_context = replace(context, tokens=context.tokens + len(indices) - len(drafting))
                 rule = self._stop_rule(
                     controller, part, slots, [evidence[n] for n in drafting], stop_context, fixed_slots
                 )

@@ -120,15 +120,38 @@ def test_adapts_when_acceptance_changes() -> None:
 def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     controller = DraftLengthController(MAX, decay=0.5)
     rows = evidence(controller, 3)
-    assert controller.acceptance(rows) == pytest.approx([0.5] * 3)  # the prior: 1 success in 2 trials
+    assert controller.acceptance(rows) == pytest.approx([0.5] * 3)  # nothing judged yet: 1 success in 2 trials
     controller.observe(4, [2, 4, 0], rows, 0.04, 0.1)
-    # row 0: 2 accepted then a rejection (3 trials); row 1: 4 of 4, no rejection; row 2: rejected at once
-    assert controller.acceptance(rows) == pytest.approx([3 / 5, 5 / 6, 1 / 3])
+    # row 0: 2 accepted then a rejection (3 trials); row 1: 4 of 4, no rejection; row 2: rejected at once.
+    # The prior is every row's rate: 6 of 8, with the 1-in-2 start; it counts as two trials of each row.
+    prior = (1 + 6) / (2 + 8)
+    assert controller.prior_acceptance() == pytest.approx(prior)
+    assert controller.acceptance(rows) == pytest.approx([(2 * prior + 2) / 5, (2 * prior + 4) / 6, 2 * prior / 3])
     controller.observe(4, [4, 0], [rows[0], rows[2]], 0.04, 0.1)  # row 1 finished: not updated
     # the evidence decays per drafted token: 0.5 ** 4 after a round of 4 drafts
     fade = 0.5**4
-    expected = [(1 + 2 * fade + 4) / (2 + 3 * fade + 4), 5 / 6, 1 / (3 + fade)]
+    prior = (1 + 6 * fade + 4) / (2 + 8 * fade + 5)
+    assert controller.prior_acceptance() == pytest.approx(prior)
+    expected = [(2 * prior + 2 * fade + 4) / (2 + 3 * fade + 4), (2 * prior + 4) / 6, 2 * prior / (3 + fade)]
     assert controller.acceptance(rows) == pytest.approx(expected)
+
+
+def test_a_new_row_starts_from_the_other_rows_acceptance() -> None:
+    """Where every row has been accepting nearly all its drafts, a request that just arrived drafts long at
+    once; a controller that has judged nothing starts it at the 0.5 guess and drafts shorter (control)."""
+    seasoned, fresh = DraftLengthController(MAX), DraftLengthController(MAX)
+    for controller in (seasoned, fresh):
+        controller.costs.add_draft(1, 1, 0.002)
+        controller.costs.add_verify(1, 0, 0.02)
+        controller.costs.add_verify(1, 8, 0.03)
+        controller.rounds = 1
+    others = evidence(seasoned, 2)
+    for _ in range(10):
+        seasoned.observe(MAX, [MAX, MAX - 1], others, MAX * 0.002, 0.03)
+    newcomer = seasoned.evidence()
+    assert seasoned.acceptance([newcomer])[0] > 0.8
+    assert fresh.acceptance([fresh.evidence()])[0] == pytest.approx(0.5)
+    assert seasoned.plan([newcomer], 100)[0] > fresh.plan([fresh.evidence()], 100)[0]
 
 
 def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
@@ -138,7 +161,9 @@ def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
     rows = evidence(controller)
     controller.observe(3, [0], rows, 0.03, 0.1)  # the first draft rejected
     controller.observe(3, [3], rows, 0.03, 0.1)  # all three accepted
-    pooled = (1 + 3) / (2 + 4)
+    prior = controller.prior_acceptance()  # the only row is every row: its own 3 of 4, with the 1-in-2 start
+    assert prior == pytest.approx((1 + 3) / (2 + 4))
+    pooled = (2 * prior + 3) / (2 + 4)
     assert controller.acceptance(rows)[0] == pytest.approx(pooled)
     expected = [
         (POSITION_SHRINK * pooled + passed) / (POSITION_SHRINK + reached)
@@ -261,6 +286,21 @@ def test_a_full_pass_drafts_less_than_its_rows_alone_would() -> None:
     controller.costs.add_verify(8, 0, 0.04)
     assert max(controller.plan(rows, 100)) > 0  # alone
     assert controller.plan(rows, 100, PassContext(8, tokens=5.0)) == [0, 0, 0]
+
+
+def test_a_fixed_cost_per_round_makes_drafting_pay_sooner() -> None:
+    """A row accepting 60% of its drafts beside a cheap pass does best plain; when every round also costs a
+    fixed 30 ms (a prefill chunk's weight read follows it), a round that yields more tokens spreads that
+    cost thinner, and the same row drafts. With no fixed cost the plan is the plain one (control)."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller)
+    for gamma in (1, 2, 4, 1, 2, 4):
+        controller.observe(gamma, [0], rows, 0.012 * gamma, 0.02 + 0.002 * gamma)
+    rows[0].passed[:], rows[0].reached[:] = 60.0, 100.0
+    assert controller.plan(rows, 100, PassContext(1)) == [0]
+    assert controller.plan(rows, 100, PassContext(1, fixed_s=0.03))[0] > 0
+    rates = controller.rates(rows, PassContext(1, fixed_s=0.03))
+    assert rates[1] == pytest.approx(controller.row_tokens(rows)[0] / (controller.round_time(1) + 0.03))
 
 
 def test_rows_whose_drafts_do_not_pay_draft_none_beside_rows_whose_do() -> None:

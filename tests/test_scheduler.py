@@ -203,7 +203,7 @@ def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
     assert scheduler.prefill_chunk_rounds == DEFAULT_PREFILL_CHUNK_ROUNDS == 1.0
     assert scheduler._chunk_budget() == 256  # nothing timed yet
     for tokens in (10, 50, 100):
-        scheduler._prefill_cost.add(tokens, 0.013 + 0.0014 * tokens)
+        scheduler._prefill_cost.add([0], tokens, 0.013 + 0.0014 * tokens)
     scheduler._round_s = 0.0425
     assert scheduler._chunk_budget() == int((0.0425 - 0.013) / 0.0014) == 21
     scheduler._round_s = 0.5
@@ -212,12 +212,40 @@ def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
     assert scheduler._chunk_budget() == MIN_PREFILL_CHUNK
 
 
+def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(make_decoder) -> None:
+    """Three prompts arriving beside one decoding stream are prefilled in chunks of three rounds' time (each
+    chunk holds up one stream, each round three prompts); one prompt beside it, in chunks of one round."""
+    decoder = make_decoder(prefill_chunk=256)
+    scheduler = decoder.scheduler
+    budgets = []
+    measure = scheduler._chunk_budget
+
+    def spy() -> int:
+        budget = measure()
+        waiting = len(scheduler._waiting) + sum(not r.decoding for r in scheduler._active.values())
+        one_round = scheduler._prefill_cost.longest_chunk(0, scheduler._round_s)
+        three_rounds = scheduler._prefill_cost.longest_chunk(0, 3 * scheduler._round_s)
+        budgets.append((waiting, budget, one_round, three_rounds))
+        return budget
+
+    scheduler._chunk_budget = spy
+    stream = decoder.submit("hello there", dataclasses.replace(GREEDY, max_new_tokens=60), 2)
+    next(iter(stream))
+    for handle in decoder.submit_batch(["the cat sat on the mat, the cat"] * 3, GREEDY, 2):
+        handle.result()
+    stream.cancel()
+    burst = [b for b in budgets if b[0] == 3]
+    assert burst, budgets
+    waiting, budget, one_round, three_rounds = burst[0]
+    assert budget == min(256, max(MIN_PREFILL_CHUNK, three_rounds)) and three_rounds > one_round
+
+
 def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(make_decoder) -> None:
     """Twice the rounds' time, chunks take twice the time; no bound: chunks of prefill_chunk tokens, and the
     long prompt of the interleaving test is prefilled in as few passes as that allows."""
     scheduler = make_decoder(prefill_chunk=256, prefill_chunk_rounds=2.0).scheduler
     for tokens in (10, 50, 100):
-        scheduler._prefill_cost.add(tokens, 0.013 + 0.0014 * tokens)
+        scheduler._prefill_cost.add([0], tokens, 0.013 + 0.0014 * tokens)
     scheduler._round_s = 0.0425
     assert scheduler._chunk_budget() == int((2 * 0.0425 - 0.013) / 0.0014) == 51
     decoder = make_decoder(prefill_chunk=40, prefill_chunk_rounds=None)
@@ -232,6 +260,38 @@ def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(
         handle.cancel()
     with pytest.raises(ValueError, match="prefill_chunk_rounds must be > 0 or None"):
         make_decoder(prefill_chunk_rounds=0)
+
+
+@pytest.mark.parametrize("rounds", [DEFAULT_PREFILL_CHUNK_ROUNDS, None])
+def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_decoder, rounds) -> None:
+    """What auto weighs a round's drafts against: the round's measured host work always, and while a prompt
+    is prefilled in chunks beside it, also the fixed cost of the chunk each round brings (more tokens per
+    round, fewer chunks); with chunks not bounded by rounds, their number does not depend on the rounds."""
+    decoder = make_decoder(prefill_chunk=16, prefill_chunk_rounds=rounds)
+    scheduler = decoder.scheduler
+    seen = []
+    scheduler.on_round = lambda seconds, drafted: seen.append(
+        (
+            scheduler._round_fixed_s(),
+            scheduler._round_host_s,
+            float(scheduler._prefill_cost.coefficients()[0]),
+            any(not r.decoding for r in scheduler._active.values()),
+        )
+    )
+    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), AUTO)
+    for handle in runners:
+        next(iter(handle))
+    long_prompt = "the cat sat on the mat, " * 4 + "and on"  # 102 tokens
+    decoder.submit(long_prompt, dataclasses.replace(GREEDY, max_new_tokens=16), AUTO).result()
+    for handle in runners:
+        handle.cancel()
+    beside = [(fixed, host, chunk) for fixed, host, chunk, prefilling in seen if prefilling]
+    alone = [(fixed, host) for fixed, host, _, prefilling in seen[-3:] if not prefilling]
+    assert len(beside) >= 3 and alone and all(host > 0 for _, host, _, _ in seen[1:])
+    assert all(fixed == pytest.approx(host) for fixed, host in alone)
+    chunk_counts = 0 if rounds is None else 1
+    assert all(fixed == pytest.approx(host + chunk_counts * chunk) for fixed, host, chunk in beside)
+    assert rounds is None or any(chunk > 0 for _, _, chunk in beside)
 
 
 def test_a_paused_stream_is_not_disturbed_by_another_call(make_decoder) -> None:
