@@ -35,15 +35,23 @@ class PrefillCost:
         self.decay = decay
         self.gram = np.zeros((FEATURES, FEATURES))  # decayed sums of x x^T
         self.moment = np.zeros(FEATURES)  # decayed sums of x y
+        self._solved: np.ndarray | None = None  # the coefficients, until the next observation
 
     def add(self, cached: Sequence[int], width: int, seconds: float) -> None:
         """A pass of ``width`` new tokens over rows holding ``cached`` tokens took ``seconds``."""
         x = pass_features(cached, width)
         self.gram = self.decay * self.gram + np.outer(x, x)
         self.moment = self.decay * self.moment + x * seconds
+        self._solved = None
 
     def coefficients(self) -> np.ndarray:
-        """[fixed, per_token, per_attended] in seconds; zeros before any observation."""
+        """[fixed, per_token, per_attended] in seconds; zeros before any observation. Solved once per
+        observation: the scheduler asks every step and every auto round."""
+        if self._solved is None:
+            self._solved = self._solve()
+        return self._solved.copy()
+
+    def _solve(self) -> np.ndarray:
         scale = np.sqrt(np.diag(self.gram))
         active = [i for i in range(FEATURES) if scale[i] > 0]
         while active:

@@ -387,14 +387,18 @@ class Scheduler:
         than that would spend most of its time on the pass's fixed cost."""
         if self.prefill_chunk_rounds is None or self._round_s is None:
             return self.prefill_chunk
-        active = list(self._active.values())
-        decoding = sum(r.decoding for r in active)
-        free = len(self._waiting) if self.max_batch_size is None else self.max_batch_size - len(active)
-        prompts = len(active) - decoding + min(len(self._waiting), max(free, 0))
-        share = max(1.0, prompts / max(decoding, 1))
-        cached = next((r.prefilled for r in active if not r.decoding), 0)
+        decoding = sum(r.decoding for r in self._active.values())
+        share = max(1.0, self._prompts_to_prefill() / max(decoding, 1))
+        cached = next((r.prefilled for r in self._active.values() if not r.decoding), 0)
         fitting = self._prefill_cost.longest_chunk(cached, self.prefill_chunk_rounds * self._round_s * share)
         return self.prefill_chunk if fitting is None else min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
+
+    def _prompts_to_prefill(self) -> int:
+        """Prompts still to be prefilled that the next steps will chunk: those admitted and not yet decoding,
+        and those waiting that the free slots will admit."""
+        admitted = sum(not r.decoding for r in self._active.values())
+        free = len(self._waiting) if self.max_batch_size is None else self.max_batch_size - len(self._active)
+        return admitted + min(len(self._waiting), max(free, 0))
 
     def _admit(self, budget: int | None) -> None:
         """Waiting requests into free slots, in order, while the next prefill chunk (``budget`` tokens, None:
@@ -527,9 +531,7 @@ class Scheduler:
         """Seconds each round costs beyond its draft and verify passes, whatever it drafts: its host work, and
         while a prompt is being prefilled in chunks of a round's time (or waits for a free slot), the fixed
         cost of the chunk that follows it. Fewer, fuller rounds pay these fewer times."""
-        room = self.max_batch_size is None or len(self._active) < self.max_batch_size
-        prefilling = any(not r.decoding for r in self._active.values()) or bool(self._waiting and room)
-        chunked = prefilling and self.prefill_chunk_rounds is not None
+        chunked = self.prefill_chunk_rounds is not None and self._prompts_to_prefill() > 0
         return self._round_host_s + (float(self._prefill_cost.coefficients()[0]) if chunked else 0.0)
 
     def _plan_auto(
