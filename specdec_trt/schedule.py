@@ -1,13 +1,12 @@
 """Acceptance-driven draft length ("auto" gamma): which rows draft in a round, and how far, for the most tokens/s.
 
-A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n max(g, w)
-(drafting over those j rows, then verifying the pass of n rows, as wide as its widest row: w is what the other
-rows of the pass draft anyway; every line fitted by decayed least squares per number of rows) and yields the
-pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ... p_g if it
-drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones before it were
-accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence decays per
-drafted token, so the estimates follow the text; a new row starts from every row's recent acceptance, worth
-two drafts of its own. The plan maximises the pass's tokens / time over g and over j, the rows expected to
+A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n max(g, w) (drafting
+over those j rows, then verifying the pass of n rows, as wide as its widest row: w is what the other rows of the
+pass draft anyway; every line fitted by decayed least squares per number of rows) and yields the pass's tokens:
+the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ... p_g if it drafts and 1 if not,
+where p_i is the row's acceptance of its i-th draft given the ones before it were accepted (acceptance is
+bursty, so later drafts pass more often than the first). The evidence decays per drafted token, so the
+estimates follow the text. The plan maximises the pass's tokens / time over g and over j, the rows expected to
 gain most drafting; g = 0 is a plain step, and at least every ``probe_every``-th round drafts so acceptance
 keeps being measured. Counting the whole pass matters under load: a plain round of a full batch yields a token
 per row, and a draft that pays beside one row's token rarely pays beside eight.
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 FIRST_DRAFT_LENGTH = 4  # the first round, before anything was measured
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # before any row was judged: acceptance 0.5, worth two drafts
+PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a weak prior: acceptance 0.5, worth two drafts
 POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate, in trials
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
 TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
@@ -130,9 +129,9 @@ def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
 class PassContext:
     """The verify pass a kind of draft plans its rows into: ``rows`` in the pass, and what the pass's other
     rows bring to the round whatever these rows draft: their expected ``tokens`` and the ``width`` of their
-    drafts (the pass is as wide as its widest row). ``fixed_s``: seconds the round costs whatever is drafted
-    beyond its draft and verify passes (the scheduler's host work, and the fixed cost of the prefill chunk that
-    follows each round while a prompt is being prefilled): a round that yields more tokens spreads it thinner."""
+    drafts (the pass is as wide as its widest row). ``fixed_s``: seconds the round costs beyond its draft and
+    verify passes whatever is drafted (the fixed cost of the prefill chunk that follows each round while a
+    prompt is being prefilled): a round that yields more tokens spreads it thinner."""
 
     rows: int
     tokens: float = 0.0
@@ -158,7 +157,6 @@ class DraftLengthController:
         self.judged = np.zeros(len(CONFIDENCE_BINS) + 1)  # decayed, over all rows: judged drafts per bin
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
-        self.population = AcceptanceEvidence(max_draft)  # decayed, over every row: a new row's prior
         self.costs = CostLines(time_decay)
         self.rounds = 0
         self.plain_streak = 0
@@ -167,18 +165,11 @@ class DraftLengthController:
         """Fresh evidence for a new row."""
         return AcceptanceEvidence(self.max_draft)
 
-    def prior_acceptance(self) -> float:
-        """What a row with no evidence of its own is expected to accept: the rate over every row's recent
-        drafts (the same draft on the same target, so a new request starts where the others are, not at a
-        fixed guess), shrunk to 0.5 while few drafts were judged."""
-        return (PRIOR_ACCEPTED + self.population.passed.sum()) / (PRIOR_TRIALS + self.population.reached.sum())
-
     def acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
-        """Per-row pooled acceptance estimates p_r in (0, 1): the row's own evidence, with
-        ``prior_acceptance`` worth PRIOR_TRIALS drafts."""
+        """Per-row pooled acceptance estimates p_r in (0, 1)."""
         passed = np.array([row.passed.sum() for row in rows])
         reached = np.array([row.reached.sum() for row in rows])
-        return (PRIOR_TRIALS * self.prior_acceptance() + passed) / (PRIOR_TRIALS + reached)
+        return (PRIOR_ACCEPTED + passed) / (PRIOR_TRIALS + reached)
 
     def position_acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
         """[rows, max_draft] p_ri: acceptance of draft i given the drafts before it were accepted."""
@@ -289,8 +280,6 @@ class DraftLengthController:
             self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
         self.costs.add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
         fade = self.decay ** max(widest, 1)
-        self.population.reached = fade * self.population.reached + reached.sum(axis=0)
-        self.population.passed = fade * self.population.passed + passed.sum(axis=0)
         self.judged *= fade
         self.judged_accepted *= fade
         if confidence is not None and widest:

@@ -250,7 +250,6 @@ class Scheduler:
         self.controllers = {part: DraftLengthController(max_auto_draft) for part in (MODEL, LOOKUP)}
         self._prefill_cost = PrefillCost(TIME_DECAY)
         self._round_s: float | None = None  # decayed mean seconds of a round
-        self._round_host_s = 0.0  # decayed mean seconds of a round's host work around its draft and verify
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -501,7 +500,6 @@ class Scheduler:
 
     def _round(self, rows: list[_Request]) -> None:
         """One speculative round over every decoding request."""
-        start = time.perf_counter()
         slots, sequences = [r.slot for r in rows], [r.sequence for r in rows]
         # A pass pads every row to the widest: the row with the least room left bounds the drafts.
         room = min(self.max_context - len(s) for s in sequences)
@@ -524,15 +522,13 @@ class Scheduler:
             request.stats.verify_s += result.verify_s
             request.extend(tokens)
             self._emit(request)
-        host_s = time.perf_counter() - start - seconds
-        self._round_host_s = TIME_DECAY * self._round_host_s + (1 - TIME_DECAY) * host_s
 
     def _round_fixed_s(self) -> float:
-        """Seconds each round costs beyond its draft and verify passes, whatever it drafts: its host work, and
-        while a prompt is being prefilled in chunks of a round's time (or waits for a free slot), the fixed
-        cost of the chunk that follows it. Fewer, fuller rounds pay these fewer times."""
+        """Seconds each round costs beyond its draft and verify passes, whatever it drafts: while a prompt is
+        being prefilled in chunks of a round's time (or waits for a free slot), the fixed cost of the chunk that
+        follows it. Fewer, fuller rounds pay it fewer times."""
         chunked = self.prefill_chunk_rounds is not None and self._prompts_to_prefill() > 0
-        return self._round_host_s + (float(self._prefill_cost.coefficients()[0]) if chunked else 0.0)
+        return float(self._prefill_cost.coefficients()[0]) if chunked else 0.0
 
     def _plan_auto(
         self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int

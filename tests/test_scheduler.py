@@ -264,16 +264,15 @@ def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(
 
 @pytest.mark.parametrize("rounds", [DEFAULT_PREFILL_CHUNK_ROUNDS, None])
 def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_decoder, rounds) -> None:
-    """What auto weighs a round's drafts against: the round's measured host work always, and while a prompt
-    is prefilled in chunks beside it, also the fixed cost of the chunk each round brings (more tokens per
-    round, fewer chunks); with chunks not bounded by rounds, their number does not depend on the rounds."""
+    """What auto weighs a round's drafts against beyond its passes: while a prompt is prefilled in chunks beside
+    it, the fixed cost of the chunk each round brings (more tokens per round, fewer chunks), and nothing once
+    no prompt is waiting; with chunks not bounded by rounds, their number does not depend on the rounds."""
     decoder = make_decoder(prefill_chunk=16, prefill_chunk_rounds=rounds)
     scheduler = decoder.scheduler
     seen = []
     scheduler.on_round = lambda seconds, drafted: seen.append(
         (
             scheduler._round_fixed_s(),
-            scheduler._round_host_s,
             float(scheduler._prefill_cost.coefficients()[0]),
             any(not r.decoding for r in scheduler._active.values()),
         )
@@ -285,13 +284,13 @@ def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_d
     decoder.submit(long_prompt, dataclasses.replace(GREEDY, max_new_tokens=16), AUTO).result()
     for handle in runners:
         handle.cancel()
-    beside = [(fixed, host, chunk) for fixed, host, chunk, prefilling in seen if prefilling]
-    alone = [(fixed, host) for fixed, host, _, prefilling in seen[-3:] if not prefilling]
-    assert len(beside) >= 3 and alone and all(host > 0 for _, host, _, _ in seen[1:])
-    assert all(fixed == pytest.approx(host) for fixed, host in alone)
+    beside = [(fixed, chunk) for fixed, chunk, prefilling in seen if prefilling]
+    alone = [fixed for fixed, _, prefilling in seen[-3:] if not prefilling]
+    assert len(beside) >= 3 and alone
+    assert all(fixed == 0 for fixed in alone)
     chunk_counts = 0 if rounds is None else 1
-    assert all(fixed == pytest.approx(host + chunk_counts * chunk) for fixed, host, chunk in beside)
-    assert rounds is None or any(chunk > 0 for _, _, chunk in beside)
+    assert all(fixed == pytest.approx(chunk_counts * chunk) for fixed, chunk in beside)
+    assert rounds is None or any(chunk > 0 for _, chunk in beside)
 
 
 def test_a_paused_stream_is_not_disturbed_by_another_call(make_decoder) -> None:
