@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
-SCHEMA_VERSION = 2  # 2: the graphs take query_seqlens (a batched multi-token pass)
+SCHEMA_VERSION = 3  # 2: the graphs take query_seqlens (a batched multi-token pass); 3: packed new tokens
 MANIFEST_NAME = "manifest.json"
 _REBUILD = "rebuild the engines with specdec-build"
 DRAFT_KINDS = ("int4", "model", "none")

@@ -7,13 +7,21 @@ layout with ``max_context`` positions; the runtime binds the same buffer as both
 past/present buffer), so a step writes only the new tokens' keys and values and never copies the cache.
 Per-row cache lengths come in as ``seqlens_k``: rolling back a rejected draft is a smaller number. Each row's
 count of new tokens comes in as ``query_seqlens``, which lets GroupQueryAttention take several new tokens
-for every row of a batch in one pass (a batched verify), and a right-padded batch of prompts as a prefill.
+for every row of a batch in one pass (a batched verify, a prefill chunk).
 
-Inputs:  input_ids [B, T] int64, logits_index [B, K] int64 (positions whose logits to return),
-         seqlens_k [B] int32 (cached + new tokens - 1), total_sequence_length [] int32 (an upper bound of
-         cached + new tokens), query_seqlens [B] int32 (new tokens: T, or a prompt's real length),
+Rows of a pass differ in their number of new tokens (one row verifies 8 drafts, another decodes one, a third
+prefills a chunk), so the new tokens come in packed, row after row, with no padding: every matrix product
+computes only real tokens, and a pass costs what its tokens cost, not rows x its widest row. Only attention
+needs rows: ``unpack_index`` gathers the packed query, keys and values into right-padded rows [B, T] for
+GroupQueryAttention, and ``pack_index`` gathers its output back.
+
+Inputs:  input_ids [1, N] int64 (the N new tokens, row after row), unpack_index [B, T] int64 (the packed
+         token at each padded position; padding repeats a row's last token), pack_index [N] int64 (each
+         packed token's flat padded position b * T + t), logits_index [M] int64 (packed tokens whose logits
+         to return), seqlens_k [B] int32 (cached + new tokens - 1), total_sequence_length [] int32 (an upper
+         bound of cached + new tokens), query_seqlens [B] int32 (new tokens per row),
          past_key.{i} / past_value.{i} [B, H_kv, max_context, D]
-Outputs: logits [B, K, V] float32, present_key.{i} / present_value.{i} (the same buffers)
+Outputs: logits [1, M, V] float32, present_key.{i} / present_value.{i} (the same buffers)
 """
 
 from __future__ import annotations
@@ -43,7 +51,15 @@ class ExportError(ValueError):
     """The model cannot be exported with the requested settings."""
 
 
-STEP_INPUTS = ("input_ids", "logits_index", "seqlens_k", "total_sequence_length", "query_seqlens")
+STEP_INPUTS = (
+    "input_ids",
+    "unpack_index",
+    "pack_index",
+    "logits_index",
+    "seqlens_k",
+    "total_sequence_length",
+    "query_seqlens",
+)
 
 
 def input_names(num_layers: int) -> list[str]:
@@ -111,8 +127,7 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
         )
         hidden = _mlp(graph, normed, weights, prefix + "mlp.", config)
     final, _ = _add_and_norm(graph, hidden, residual, weights["model.norm.weight"], config)
-    index = graph.op("Unsqueeze", ["logits_index", graph.weight("axis_last", np.array([-1], np.int64))])[0]
-    picked = graph.op("GatherND", [final, index], batch_dims=1)[0]
+    picked = graph.op("Gather", [final, "logits_index"], axis=1)[0]
     head = weights["lm_head.weight"]
     if config.draft_vocab is None:
         logits = graph.op("MatMul", [picked, graph.weight("lm_head", head.T)])[0]
@@ -122,14 +137,16 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
 
     cache_shape = ["batch", config.num_kv_heads, model.max_context, config.head_dim]
     inputs = [
-        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "new_tokens"]),
-        helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["batch", "logit_positions"]),
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "new_tokens"]),
+        helper.make_tensor_value_info("unpack_index", TensorProto.INT64, ["batch", "width"]),
+        helper.make_tensor_value_info("pack_index", TensorProto.INT64, ["new_tokens"]),
+        helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["logit_positions"]),
         helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["batch"]),
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["batch"]),
     ]
     outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", "logit_positions", config.vocab_size])
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "logit_positions", config.vocab_size])
     ]
     for name in input_names(config.num_layers)[len(STEP_INPUTS) :]:
         inputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
@@ -196,8 +213,10 @@ def _attention(graph: _Graph, x: str, weights: dict, prefix: str, layer: int, co
     if config.qkv_bias:
         bias = np.concatenate([weights[prefix + f"{p}_proj.bias"] for p in "qkv"])
         qkv = graph.op("Add", [qkv, graph.weight(f"qkv_bias_{layer}", bias)])[0]
+    rows = graph.op("Gather", [qkv, "unpack_index"], axis=1)[0]  # [1, B, T, q + 2 kv]: padded rows
+    rows = graph.op("Squeeze", [rows, _constant(graph, "axis_0", [0])])[0]
     sizes = graph.weight(f"qkv_split_{layer}", np.array([q_dim, kv_dim, kv_dim], np.int64))
-    q, k, v = graph.op("Split", [qkv, sizes], 3, axis=-1)
+    q, k, v = graph.op("Split", [rows, sizes], 3, axis=-1)
     if config.qk_norm:
         q = _head_norm(graph, q, weights[prefix + "q_norm.weight"], config.num_heads, config)
         k = _head_norm(graph, k, weights[prefix + "k_norm.weight"], config.num_kv_heads, config)
@@ -223,10 +242,20 @@ def _attention(graph: _Graph, x: str, weights: dict, prefix: str, layer: int, co
         do_rotary=1,
         rotary_interleaved=0,
     )[0]
-    out = graph.op("MatMul", [attended, graph.weight(f"o_{layer}", weights[prefix + "o_proj.weight"].T)])[0]
+    flat = graph.op("Reshape", [attended, _constant(graph, "flat_rows", [-1, q_dim])])[0]
+    packed = graph.op("Gather", [flat, "pack_index"], axis=0)[0]  # [N, q]: the real tokens only
+    packed = graph.op("Unsqueeze", [packed, _constant(graph, "axis_0", [0])])[0]
+    out = graph.op("MatMul", [packed, graph.weight(f"o_{layer}", weights[prefix + "o_proj.weight"].T)])[0]
     if config.o_bias:
         out = graph.op("Add", [out, graph.weight(f"o_bias_{layer}", weights[prefix + "o_proj.bias"])])[0]
     return out
+
+
+def _constant(graph: _Graph, name: str, values: list[int]) -> str:
+    """An int64 initializer shared by every layer that uses it (written once)."""
+    if all(t.name != name for t in graph.initializers):
+        graph.weight(name, np.array(values, np.int64))
+    return name
 
 
 def _head_norm(graph: _Graph, x: str, weight: np.ndarray, heads: int, config: ModelConfig) -> str:

@@ -32,6 +32,9 @@ class Engine(ABC):
     max_context: int
     max_draft_len: int | None  # most drafts one verify pass was built for (None: no limit)
     device: torch.device
+    # Whether a pass computes only its rows' real tokens (packed), or every row padded to the widest: what a
+    # row's drafts cost beside rows that draft fewer.
+    packs_rows: bool = False
 
     def __init__(self) -> None:
         self._lengths = np.zeros(0, dtype=np.int64)  # per slot: cached tokens (0 when free)

@@ -4,7 +4,8 @@ Each layer's key and value cache is one preallocated buffer [slots, heads, posit
 graph's past input and its present output, so GroupQueryAttention writes only the new tokens in place. A
 step binds a view of the rows it runs over (the leading rows of a buffer are one contiguous block), so it
 costs what those rows cost; rolling back only changes the lengths that become ``seqlens_k``. Every row's
-count of new tokens goes in as ``query_seqlens``, so one pass takes any number of new tokens per row.
+count of new tokens goes in as ``query_seqlens``, so one pass takes any number of new tokens per row; the
+tokens go in packed (see ``build_engines.onnx_export``), so a pass computes its real tokens and no padding.
 The bindings of the cache views are kept per row range; a step binds only its five small inputs and a fresh
 logits array, so the Python work around a run stays small beside the run itself.
 """
@@ -95,6 +96,8 @@ class OrtEngine(Engine):
     ``profile_prefix``: have ONNX Runtime time every node of every run, into a JSON trace whose path
     ``self.session.end_profiling()`` returns (for benchmarks: where a step's time goes)."""
 
+    packs_rows = True
+
     def __init__(self, spec: OrtModelSpec, threads: int | None = None, profile_prefix: Path | None = None) -> None:
         super().__init__()
         self.spec = spec
@@ -165,12 +168,16 @@ class OrtEngine(Engine):
     ) -> torch.Tensor:
         ids = token_ids.cpu().numpy().astype(np.int64)
         rows, width = ids.shape
-        everywhere = np.broadcast_to(np.arange(width, dtype=np.int64), (rows, width))
-        positions = everywhere if logits_at is None else logits_at[:, None]
+        real = np.arange(width) < num_new[:, None]  # [rows, width]: the positions that hold new tokens
+        offsets = np.cumsum(num_new) - num_new  # each row's first token in the packed order
+        last = num_new[:, None] - 1
+        positions = offsets if logits_at is None else offsets + logits_at
         seqlens = starts + num_new - 1  # each row then holds seqlens + 1 tokens
         inputs = {
-            "input_ids": np.ascontiguousarray(ids),
-            "logits_index": np.ascontiguousarray(positions),
+            "input_ids": ids[real][None],
+            "unpack_index": offsets[:, None] + np.minimum(np.arange(width), last),
+            "pack_index": np.flatnonzero(real),
+            "logits_index": np.arange(int(num_new.sum())) if logits_at is None else positions,
             "seqlens_k": seqlens.astype(np.int32),
             "total_sequence_length": np.array(seqlens.max() + 1, dtype=np.int32),
             "query_seqlens": num_new.astype(np.int32),
@@ -178,8 +185,13 @@ class OrtEngine(Engine):
         binding = self._binding(lo, rows)
         for name, array in inputs.items():  # bound by address: the arrays live until the run returns
             binding.bind_cpu_input(name, array)
-        logits = np.empty((*positions.shape, self.vocab_size), dtype=np.float32)
+        logits = np.empty((1, len(inputs["logits_index"]), self.vocab_size), dtype=np.float32)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self.session.run_with_iobinding(binding)
-        result = torch.from_numpy(logits)
-        return result if logits_at is None else result[:, 0]
+        if logits_at is not None:
+            return torch.from_numpy(logits[0])
+        if real.all():
+            return torch.from_numpy(logits.reshape(rows, width, self.vocab_size))
+        padded = np.zeros((rows, width, self.vocab_size), dtype=np.float32)  # padding scores 0, as if uniform
+        padded[real] = logits[0]
+        return torch.from_numpy(padded)

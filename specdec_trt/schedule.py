@@ -1,8 +1,11 @@
 """Acceptance-driven draft length ("auto" gamma): which rows draft in a round, and how far, for the most tokens/s.
 
-A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n max(g, w) (drafting
-over those j rows, then verifying the pass of n rows, as wide as its widest row: w is what the other rows of the
-pass draft anyway; every line fitted by decayed least squares per number of rows) and yields the pass's tokens:
+A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n x (drafting over
+those j rows, then verifying the pass of n rows; every line fitted by decayed least squares per number of rows).
+x is the pass's drafts per row as the engine computes them: where it pads every row to the widest, x =
+max(g, w), w being what the other rows of the pass draft anyway; where it packs the rows' tokens (ONNX
+Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting costs only its own tokens. A
+round yields the pass's tokens:
 the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ... p_g if it drafts and 1 if not,
 where p_i is the row's acceptance of its i-th draft given the ones before it were accepted (acceptance is
 bursty, so later drafts pass more often than the first). The evidence decays per drafted token, so the
@@ -129,7 +132,8 @@ def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
 class PassContext:
     """The verify pass a kind of draft plans its rows into: ``rows`` in the pass, and what the pass's other
     rows bring to the round whatever these rows draft: their expected ``tokens`` and the ``width`` of their
-    drafts (the pass is as wide as its widest row). ``fixed_s``: seconds the round costs beyond its draft and
+    drafts (the pass is as wide as its widest row; ``drafts`` in all, ``packed``: the engine computes only real
+    tokens, so the pass costs its drafts, not rows x its widest). ``fixed_s``: seconds the round costs beyond its draft and
     verify passes whatever is drafted (the fixed cost of the prefill chunk that follows each round while a
     prompt is being prefilled): a round that yields more tokens spreads it thinner."""
 
@@ -137,6 +141,14 @@ class PassContext:
     tokens: float = 0.0
     width: int = 0
     fixed_s: float = 0.0
+    drafts: int = 0  # the other rows' drafts in all
+    packed: bool = False  # whether the engine computes the rows' tokens packed (True) or padded to the widest
+
+    def drafts_per_row(self, drafting_rows: int, g: np.ndarray | int) -> np.ndarray:
+        """x: the verify pass's drafts per row, as computed, when ``drafting_rows`` more rows draft ``g``."""
+        if self.packed:
+            return (self.drafts + drafting_rows * np.asarray(g)) / self.rows
+        return np.maximum(g, self.width)
 
 
 class DraftLengthController:
@@ -188,12 +200,13 @@ class DraftLengthController:
         reach = np.cumprod(np.concatenate([np.ones((len(p), 1)), p], axis=1), axis=1)
         return np.cumsum(reach, axis=1)
 
-    def round_time(self, rows: int, pass_rows: int | None = None, width: int = 0) -> np.ndarray:
-        """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in a pass of ``pass_rows``
-        (default: these) whose other rows draft ``width`` tokens."""
-        (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(pass_rows or rows)
+    def round_time(self, rows: int, context: PassContext | None = None) -> np.ndarray:
+        """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in the pass ``context``
+        (default: these rows alone)."""
+        context = context or PassContext(rows)
+        (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(context.rows)
         g = np.arange(self.max_draft + 1)
-        return (g > 0) * (d + c * g) + a + b * np.maximum(g, width)
+        return (g > 0) * (d + c * g) + a + b * context.drafts_per_row(rows, g)
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
         """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
@@ -204,7 +217,7 @@ class DraftLengthController:
         """``rates`` from the rows' ``row_tokens``."""
         gain = -np.sort(-(row_tokens - 1.0), axis=0)  # per g, the rows gaining most first
         tokens = context.tokens + len(gain) + np.vstack([np.zeros(self.max_draft + 1), np.cumsum(gain, axis=0)])
-        times = [self.round_time(max(j, 1), context.rows, context.width) for j in range(len(gain) + 1)]
+        times = [self.round_time(max(j, 1), context) for j in range(len(gain) + 1)]
         times[0] = np.full(self.max_draft + 1, times[0][0])
         return tokens / np.maximum(np.stack(times) + context.fixed_s, 1e-12)
 
@@ -245,9 +258,11 @@ class DraftLengthController:
         context = context or PassContext(len(rows))
         _, c = self.costs.draft_cost(len(rows))
         _, b = self.costs.verify_cost(context.rows)
-        threshold = float(self.rates(rows, context)[-1].max()) * (c + b) if self.rounds else 0.0
+        rate = float(self.rates(rows, context)[-1].max()) if self.rounds else 0.0
+        # one more draft widens a padded pass by a token per row; a packed one by a token per drafting row
+        verify_share = 1.0 / context.rows if context.packed else None
         pooled = dict(zip(slots, self.acceptance(rows)))
-        return CostAwareStop(self.calibrated_acceptance(), pooled, threshold, exempt)
+        return CostAwareStop(self.calibrated_acceptance(), pooled, rate * c, rate * b, exempt, verify_share)
 
     def observe(
         self,
@@ -258,12 +273,13 @@ class DraftLengthController:
         verify_s: float,
         confidence: np.ndarray | None = None,
         pass_rows: int | None = None,
-        pass_width: int | None = None,
+        pass_width: float | None = None,
     ) -> None:
         """Record a round: row r drafted ``num_drafted[r]`` tokens (one number: all rows alike; maybe fewer
         than chosen: an early stop) and accepted ``num_accepted[r]``. Times in seconds, of these rows'
         drafting (None: not known apart from other drafting in the round) and of the verify pass over
-        ``pass_rows`` rows with ``pass_width`` drafts in its widest row (defaults: these rows').
+        ``pass_rows`` rows computing ``pass_width`` drafts per row (``PassContext.drafts_per_row``: its widest
+        row's drafts where rows are padded, their mean where packed; defaults: these rows', padded).
         ``confidence`` [rows, k]: the draft's probability of each token it drafted, if known."""
         self.rounds += 1
         drafted = np.broadcast_to(np.asarray(num_drafted, dtype=np.int64), (len(rows),))
@@ -296,13 +312,23 @@ class CostAwareStop:
     Called after each drafted token with the draft's probability of it per row [n] and which rows are still
     drafting: S_r (the chance that row r's drafts so far are all accepted) is multiplied by the calibrated
     acceptance of that confidence; the round stops when sum over the rows still drafting of S_r p_r (the
-    expected tokens of one more draft) is below ``threshold`` (rate * (c + b): what that draft costs, in
-    tokens at the predicted rate)."""
+    expected tokens of one more draft) is below what that draft costs, in tokens at the predicted rate:
+    ``draft_cost`` (rate * c) for the draft's step, and ``verify_cost`` (rate * b) for the wider verify pass,
+    all of it where the pass is padded (``verify_share`` None), and ``verify_share`` of it per row still
+    drafting where the pass is packed. ``threshold``: the cost when every row of the pass drafts on."""
 
     def __init__(
-        self, acceptance_by_bin: np.ndarray, pooled: dict[int, float], threshold: float, exempt: Sequence[int] = ()
+        self,
+        acceptance_by_bin: np.ndarray,
+        pooled: dict[int, float],
+        draft_cost: float,
+        verify_cost: float,
+        exempt: Sequence[int] = (),
+        verify_share: float | None = None,
     ) -> None:
-        self.acceptance_by_bin, self.pooled, self.threshold = acceptance_by_bin, pooled, threshold
+        self.acceptance_by_bin, self.pooled = acceptance_by_bin, pooled
+        self.draft_cost, self.verify_cost, self.verify_share = draft_cost, verify_cost, verify_share
+        self.threshold = draft_cost + verify_cost
         self.exempt = set(exempt)
         self.gain: np.ndarray | None = None  # per row, S_r p_r, with S_r = 1 before the first draft
 
@@ -314,4 +340,5 @@ class CostAwareStop:
         self.gain = np.where(drafting, self.gain * self.acceptance_by_bin[bins], 0.0)
         if any(slot in self.exempt for slot, still in zip(slots, drafting) if still):
             return False
-        return float(self.gain.sum()) < self.threshold
+        share = 1.0 if self.verify_share is None else self.verify_share * int(np.count_nonzero(drafting))
+        return float(self.gain.sum()) < self.draft_cost + self.verify_cost * share

@@ -548,7 +548,7 @@ class Scheduler:
             controller = self.controllers[part]
             evidence = [rows[i].evidence.setdefault(part, controller.evidence()) for i in indices]
             unplanned -= len(indices)  # the rows of kinds planned later count their own token
-            context = PassContext(len(rows), planned_tokens + unplanned, max(limits), fixed_s)
+            context = self._pass(limits, planned_tokens + unplanned, fixed_s)
             needed = max(rows[i].remaining - 1 for i in indices)
             lengths = controller.plan(evidence, min(needed, room), context)
             for i, length in zip(indices, lengths):
@@ -565,6 +565,11 @@ class Scheduler:
                 if rule is not None:
                     stop_rules[part] = rule
         return stop_rules
+
+    def _pass(self, drafts: Sequence[int], tokens: float = 0.0, fixed_s: float = 0.0) -> PassContext:
+        """The verify pass of rows drafting ``drafts``, as the target computes it (packed or padded)."""
+        packed = self.target.packs_rows
+        return PassContext(len(drafts), tokens, max(drafts, default=0), fixed_s, sum(drafts), packed)
 
     def _stop_rule(
         self,
@@ -587,7 +592,7 @@ class Scheduler:
         times. The round's drafting seconds are a kind's when no other row drafted, except that the model's
         rows take them beside prompt lookup's, whose search on the host is small next to a model step."""
         confidence = None if result.confidence is None else result.confidence.get().numpy()
-        width = max(result.num_drafted, default=0)
+        width = float(self._pass(result.num_drafted).drafts_per_row(0, 0))
         for part, controller in self.controllers.items():
             members = [i for i in auto if parts[i] == part]
             if not members:

@@ -546,7 +546,7 @@ def float_matmul_weights(graph: onnx.GraphProto) -> list[str]:
 
 def test_target_graph_layout(family: str, engine_dirs: dict[str, Path]) -> None:
     """GroupQueryAttention per layer, past/present caches of one shape (one shared buffer can be bound as
-    both), and every weight in one external data file beside the graph."""
+    both), new tokens packed, and every weight in one external data file beside the graph."""
     directory = engine_dirs[family]
     entry = read_manifest(directory).target
     graph_path = directory / entry.graph
@@ -561,8 +561,9 @@ def test_target_graph_layout(family: str, engine_dirs: dict[str, Path]) -> None:
     for i in range(entry.num_layers):
         for kind in ("key", "value"):
             assert inputs[f"past_{kind}.{i}"] == outputs[f"present_{kind}.{i}"] == cache
-    assert inputs["input_ids"] == ["batch", "new_tokens"]
-    assert outputs["logits"] == ["batch", "logit_positions", entry.vocab_size]
+    assert inputs["input_ids"] == [1, "new_tokens"]  # packed: row after row, no padding
+    assert inputs["unpack_index"] == ["batch", "width"] and inputs["pack_index"] == ["new_tokens"]
+    assert outputs["logits"] == [1, "logit_positions", entry.vocab_size]
     data = graph_path.with_name(graph_path.name + EXTERNAL_DATA_SUFFIX)
     assert data.is_file() and data.stat().st_size > graph_path.stat().st_size
     external = [i for i in graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL]

@@ -206,7 +206,7 @@ def test_costs_are_fitted_per_number_of_rows_and_interpolated_between_them() -> 
     assert costs.verify_cost(8) == pytest.approx((0.24, 0.016))  # extrapolated past the largest count
     assert costs.draft_cost(2) == pytest.approx((0.0, 0.02))
     (d, c), (a, b) = costs.draft_cost(1), costs.verify_cost(4)
-    assert controller.round_time(1, pass_rows=4) == pytest.approx(
+    assert controller.round_time(1, PassContext(4)) == pytest.approx(
         [a] + [d + g * (c + b) + a for g in range(1, MAX + 1)]
     )
 
@@ -298,11 +298,64 @@ def test_drafts_no_wider_than_the_pass_cost_no_verify() -> None:
     for gamma in (1, 2, 4, 1, 2, 4):
         controller.observe(gamma, [0], rows, 0.0005 * gamma, 0.05 + 0.02 * gamma)
     (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
-    assert controller.round_time(1, width=4) == pytest.approx(
+    assert controller.round_time(1, PassContext(1, width=4)) == pytest.approx(
         [a + 4 * b] + [d + c * g + a + b * max(g, 4) for g in range(1, MAX + 1)]
     )
     assert controller.plan(rows, 100) == [0]  # a wider pass costs more than the draft adds
     assert controller.plan(rows, 100, PassContext(1, width=4)) in ([1], [2], [3], [4])
+
+
+def test_a_packed_pass_charges_a_row_its_own_drafts() -> None:
+    """Where the engine packs the rows' tokens, j rows drafting g beside other rows' D drafts make the pass
+    compute (D + j g) / n drafts per row, not max(g, w): one row drafting 4 in a pass of 4 rows costs a
+    quarter of what it costs padded."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    for gamma in (1, 3):
+        controller.costs.add_verify(4, gamma, 0.02 + 0.04 * gamma)
+        controller.costs.add_draft(1, gamma, 0.002 * gamma)
+    (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(4)
+    g = np.arange(MAX + 1)
+    packed = PassContext(4, drafts=2, width=2, packed=True)
+    assert controller.round_time(1, packed) == pytest.approx((g > 0) * (d + c * g) + a + b * (2 + g) / 4)
+    padded = PassContext(4, drafts=2, width=2)
+    assert controller.round_time(1, padded) == pytest.approx((g > 0) * (d + c * g) + a + b * np.maximum(g, 2))
+
+
+def test_a_row_drafts_beside_plain_rows_when_the_pass_is_packed() -> None:
+    """A row accepting 70% of its drafts, in a pass of 4 rows whose other three decode plainly: padded, each of
+    its drafts widens all four rows and drafting does not pay; packed, it pays only for its own tokens and
+    drafts (the padded plan is the control)."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller)
+    for gamma in (1, 4, 1, 4):
+        controller.costs.add_verify(4, gamma, 0.03 + 0.006 * gamma)
+        controller.costs.add_draft(1, gamma, 0.001 + 0.001 * gamma)
+    controller.observe(4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=4)
+    rows[0].passed[:], rows[0].reached[:] = 70.0, 100.0
+    assert controller.plan(rows, 100, PassContext(4, tokens=3.0)) == [0]
+    assert controller.plan(rows, 100, PassContext(4, tokens=3.0, packed=True))[0] > 0
+
+
+def test_a_packed_stop_rule_charges_only_the_rows_still_drafting() -> None:
+    """Padded, one more draft widens every row of the pass: it costs rate * (c + b) however many rows still
+    draft. Packed, the verify part is b per row of the pass, times the rows still drafting: a lone row still
+    drafting in a pass of 4 keeps going where the padded rule stops."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller, 2)
+    for gamma in (2, 4, 2, 4):
+        confidence = np.tile([0.99, 0.99, 0.6, 0.6], (2, 1))[:, :gamma]
+        controller.observe(gamma, [min(gamma, 3)] * 2, rows, 0.0002 * gamma, 0.02 + 0.003 * gamma, confidence)
+    slots = [0, 1]
+    padded = controller.stop_rule(slots, rows, PassContext(4))
+    packed = controller.stop_rule(slots, rows, PassContext(4, packed=True))
+    assert padded.verify_share is None and packed.verify_share == pytest.approx(1 / 4)
+    one_left = np.array([True, False])
+    for rule in (padded, packed):
+        rule(torch.tensor([0.99, 0.99]), slots, np.array([True, True]))
+    padded_stops = padded(torch.tensor([0.6, 0.6]), slots, one_left)
+    packed_stops = packed(torch.tensor([0.6, 0.6]), slots, one_left)
+    assert padded.gain.sum() < padded.draft_cost + padded.verify_cost and padded_stops
+    assert packed.gain.sum() > packed.draft_cost + packed.verify_cost / 4 and not packed_stops
 
 
 def test_rounds_are_timed_at_the_pass_width_and_the_drafting_rows() -> None:

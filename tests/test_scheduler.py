@@ -293,6 +293,18 @@ def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_d
     assert rounds is None or any(chunk > 0 for _, chunk in beside)
 
 
+def test_auto_plans_the_verify_pass_as_the_target_computes_it(make_decoder, request) -> None:
+    """ONNX Runtime packs a pass's tokens, so rows drafting 4, 0 and 2 make it compute 2 drafts per row; the
+    PyTorch engine pads every row to the widest, 4. Rounds are recorded at that width too."""
+    decoder = make_decoder()
+    packed = "onnxruntime" in request.node.callspec.id
+    assert decoder.scheduler.target.packs_rows is packed
+    context = decoder.scheduler._pass([4, 0, 2], tokens=1.0)
+    assert (context.rows, context.drafts, context.width, context.packed) == (3, 6, 4, packed)
+    assert float(context.drafts_per_row(0, 0)) == (2.0 if packed else 4.0)
+    assert context.drafts_per_row(1, np.array([0, 8])).tolist() == ([2.0, 14 / 3] if packed else [4, 8])
+
+
 def test_a_paused_stream_is_not_disturbed_by_another_call(make_decoder) -> None:
     decoder = make_decoder()
     expected = decoder.generate("the cat sat on the mat", GREEDY, 3).text
