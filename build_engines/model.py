@@ -324,15 +324,15 @@ class CompactDecoder(nn.Module):
         logits_at: torch.Tensor | None = None,
         attended: int | None = None,
     ) -> torch.Tensor:
-        """Run ``token_ids`` [B, T] placed at ``starts`` [B] + 0..T-1; returns float32 logits [B, T, V],
-        or [B, V] at the per-row index ``logits_at`` [B] when given (prefill needs only the last one).
+        """Run ``token_ids`` [B, T] placed at ``starts`` [B] + 0..T-1; returns float32 logits [B, T, V], or at
+        the per-row indices ``logits_at`` when given: [B, V] for one index a row [B], [B, K, V] for [B, K].
         ``attended``: a fixed attention span (see ``step_inputs``), so the shapes do not depend on ``starts``."""
         x = self.model.embed_tokens(token_ids.to(self.rope_cos.device))
         step = self.step_inputs(starts, token_ids.shape[1], x.dtype, attended)
         for layer, k_layer, v_layer in zip(self.model.layers, k_cache, v_cache):
             x = layer(x, step, k_layer, v_layer)
         if logits_at is not None:
-            x = x[step.rows[:, 0], logits_at.to(x.device)]
+            x = x[step.rows if logits_at.dim() == 2 else step.rows[:, 0], logits_at.to(x.device)]
         x = self.model.norm(x)
         if self.config.draft_vocab is None:
             return self.lm_head(x).float()

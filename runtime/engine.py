@@ -87,42 +87,44 @@ class Engine(ABC):
         slots: Sequence[int],
         token_ids: torch.Tensor,
         num_new: Sequence[int] | None = None,
-        logits_at: Sequence[int] | None = None,
+        logits_from: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Append the first ``num_new[i]`` tokens of row i of ``token_ids`` [n, T] (default: all T; the rest is
-        padding) after the cached tokens of ``slots[i]``; returns logits [n, T, V], or [n, V] at each row's
-        index ``logits_at[i]`` (a prefill needs only its last token's)."""
+        padding) after the cached tokens of ``slots[i]``. Returns logits [n, K, V] of row i's new tokens from
+        index ``logits_from[i]`` on (default 0: all of them), K the most any row returns; a row's logits past
+        its own are 0. A prefill needs only its last token's (``num_new[i] - 1``), a verify pass every token's:
+        one pass can hold both, and computes no logits that were not asked for."""
         slots = self._check_occupied(slots)
         width = token_ids.shape[1]
         new = np.full(len(slots), width, dtype=np.int64) if num_new is None else np.asarray(num_new, np.int64)
         if new.shape != (len(slots),) or bool((new < 1).any()) or bool((new > width).any()):
             raise ValueError(f"num_new {new.tolist()} must give each of {len(slots)} rows 1 to {width} tokens")
+        first = np.zeros(len(slots), dtype=np.int64) if logits_from is None else np.asarray(logits_from, np.int64)
+        if first.shape != (len(slots),) or bool((first < 0).any()) or bool((first >= new).any()):
+            raise ValueError(f"logits_from {first.tolist()} must be an index into each row's {new.tolist()} tokens")
         starts = self._lengths[slots]
         check_room(starts + new, 0, self.max_context)
-        at = None if logits_at is None else np.asarray(logits_at, dtype=np.int64)
         if int(starts.max()) + width <= self.max_context:
-            logits = self._pass(slots, token_ids, new, at)
+            logits = self._pass(slots, token_ids, new, first)
         else:  # some row has no room for the padding: each row alone, at its own width
             parts = [
-                self._pass([s], token_ids[i : i + 1, : new[i]], new[i : i + 1], None if at is None else at[i : i + 1])
+                self._pass([s], token_ids[i : i + 1, : new[i]], new[i : i + 1], first[i : i + 1])
                 for i, s in enumerate(slots)
             ]
-            if at is None:
-                parts = [torch.nn.functional.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts]
-            logits = torch.cat(parts)
+            most = int((new - first).max())
+            logits = torch.cat([torch.nn.functional.pad(p, (0, 0, 0, most - p.shape[1])) for p in parts])
         self._lengths[slots] += new
         return logits
 
-    def _pass(self, slots: list[int], token_ids: torch.Tensor, new: np.ndarray, at: np.ndarray | None) -> torch.Tensor:
+    def _pass(self, slots: list[int], token_ids: torch.Tensor, new: np.ndarray, first: np.ndarray) -> torch.Tensor:
         """One backend pass over ``slots``, in the order their rows have in the cache."""
         lo = self._gather(slots)
         order = np.argsort([self._row_of[s] for s in slots], kind="stable")
         if (order == np.arange(len(order))).all():  # already in the cache's order: nothing to permute
-            return self._run(lo, token_ids, self._lengths[slots], new, at)
+            return self._run(lo, token_ids, self._lengths[slots], new, first)
         inverse = torch.from_numpy(np.argsort(order, kind="stable"))
-        ordered_at = None if at is None else at[order]
         reordered = token_ids[torch.from_numpy(order).to(token_ids.device)]
-        logits = self._run(lo, reordered, self._lengths[slots][order], new[order], ordered_at)
+        logits = self._run(lo, reordered, self._lengths[slots][order], new[order], first[order])
         return logits[inverse.to(logits.device)]
 
     def truncate(self, slots: Sequence[int], lengths: Sequence[int]) -> None:
@@ -173,7 +175,7 @@ class Engine(ABC):
         self.reserve(batch)
         for slot in range(batch):
             self.admit(slot)
-        return self.step(range(batch), token_ids, real.tolist(), (real - 1).tolist())
+        return self.step(range(batch), token_ids, real.tolist(), (real - 1).tolist())[:, 0]
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
         """``step`` over slots 0 .. B-1 of a batch started by ``prefill``: logits [B, T, V]."""
@@ -194,7 +196,7 @@ class Engine(ABC):
 
     @abstractmethod
     def _run(
-        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_at: np.ndarray | None
+        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_from: np.ndarray
     ) -> torch.Tensor:
         """One pass over cache rows lo .. lo + n - 1 (row i gets row i of ``token_ids`` [n, T] after its
         ``starts[i]`` cached tokens, of which the first ``num_new[i]`` are real); logits as ``step`` returns."""

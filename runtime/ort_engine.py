@@ -164,20 +164,20 @@ class OrtEngine(Engine):
         return binding
 
     def _run(
-        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_at: np.ndarray | None
+        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_from: np.ndarray
     ) -> torch.Tensor:
         ids = token_ids.cpu().numpy().astype(np.int64)
         rows, width = ids.shape
         real = np.arange(width) < num_new[:, None]  # [rows, width]: the positions that hold new tokens
         offsets = np.cumsum(num_new) - num_new  # each row's first token in the packed order
-        last = num_new[:, None] - 1
-        positions = offsets if logits_at is None else offsets + logits_at
+        counts = num_new - logits_from  # logits asked for per row
+        returned = np.arange(int(counts.max())) < counts[:, None]  # [rows, K]
         seqlens = starts + num_new - 1  # each row then holds seqlens + 1 tokens
         inputs = {
             "input_ids": ids[real][None],
-            "unpack_index": offsets[:, None] + np.minimum(np.arange(width), last),
+            "unpack_index": offsets[:, None] + np.minimum(np.arange(width), num_new[:, None] - 1),
             "pack_index": np.flatnonzero(real),
-            "logits_index": np.arange(int(num_new.sum())) if logits_at is None else positions,
+            "logits_index": ((offsets + logits_from)[:, None] + np.arange(returned.shape[1]))[returned],
             "seqlens_k": seqlens.astype(np.int32),
             "total_sequence_length": np.array(seqlens.max() + 1, dtype=np.int32),
             "query_seqlens": num_new.astype(np.int32),
@@ -188,10 +188,8 @@ class OrtEngine(Engine):
         logits = np.empty((1, len(inputs["logits_index"]), self.vocab_size), dtype=np.float32)
         binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(logits))
         self.session.run_with_iobinding(binding)
-        if logits_at is not None:
-            return torch.from_numpy(logits[0])
-        if real.all():
-            return torch.from_numpy(logits.reshape(rows, width, self.vocab_size))
-        padded = np.zeros((rows, width, self.vocab_size), dtype=np.float32)  # padding scores 0, as if uniform
-        padded[real] = logits[0]
+        if returned.all():
+            return torch.from_numpy(logits.reshape(*returned.shape, self.vocab_size))
+        padded = np.zeros((*returned.shape, self.vocab_size), dtype=np.float32)
+        padded[returned] = logits[0]
         return torch.from_numpy(padded)

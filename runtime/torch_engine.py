@@ -114,9 +114,15 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def _run(
-        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_at: np.ndarray | None
+        self, lo: int, token_ids: torch.Tensor, starts: np.ndarray, num_new: np.ndarray, logits_from: np.ndarray
     ) -> torch.Tensor:
         rows, width = token_ids.shape
+        counts = num_new - logits_from
+        wanted = None  # every position's logits, as the pass computes them
+        if logits_from.any() or counts.max() < width:  # [rows, K]: the positions asked for, clamped to each row's own
+            index = logits_from[:, None] + np.arange(int(counts.max()))
+            wanted = torch.from_numpy(np.minimum(index, num_new[:, None] - 1))
+        logits = None
         if self._captured is not None and width <= MAX_GRAPH_TOKENS:
             every = np.zeros(self.num_slots, dtype=np.int64)  # per cache row; free rows hold nothing
             every[: len(self._slot_at)] = self._lengths[self._slot_at]
@@ -125,10 +131,13 @@ class TorchEngine(Engine):
                 tokens = torch.zeros(self.num_slots, width, dtype=torch.int64, device=token_ids.device)
                 tokens[lo : lo + rows] = token_ids
                 logits = self._captured(tokens, torch.from_numpy(every))[lo : lo + rows]
-                if logits_at is None:
-                    return logits
-                at = to_device(torch.from_numpy(logits_at), logits.device)  # queued: no host sync
-                return logits[torch.arange(rows, device=logits.device), at]
-        k_cache, v_cache = (part[:, lo : lo + rows] for part in self._cache)
-        at = None if logits_at is None else torch.from_numpy(logits_at)
-        return self.model(token_ids, torch.from_numpy(starts), k_cache, v_cache, logits_at=at)
+                if wanted is not None:
+                    at = to_device(wanted, logits.device)  # queued: no host sync
+                    logits = logits[torch.arange(rows, device=logits.device)[:, None], at]
+        if logits is None:
+            k_cache, v_cache = (part[:, lo : lo + rows] for part in self._cache)
+            logits = self.model(token_ids, torch.from_numpy(starts), k_cache, v_cache, logits_at=wanted)
+        beyond = np.arange(logits.shape[1]) >= counts[:, None]  # past a row's own logits: 0, as in every engine
+        if beyond.any():
+            logits = logits.masked_fill(to_device(torch.from_numpy(beyond), logits.device)[..., None], 0.0)
+        return logits

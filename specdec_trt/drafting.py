@@ -235,7 +235,7 @@ class ModelDrafter:
             self.engine.truncate(slots, valid)
         missing = [length - v for length, v in zip(lengths, valid)]
         block = pad_right([s[v:] for s, v in zip(sequences, valid)])
-        return self.engine.step(slots, torch.tensor(block), missing, [m - 1 for m in missing])
+        return self.engine.step(slots, torch.tensor(block), missing, [m - 1 for m in missing])[:, 0]
 
 
 def pad_right(rows: Sequence[Sequence[int]]) -> list[list[int]]:

@@ -38,7 +38,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec_trt.drafting import LOOKUP, MODEL, Drafter, StopRule, confidence_below, pad_right
-from specdec_trt.prefill_cost import PrefillCost
+from specdec_trt.pass_cost import PassCost
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
 from specdec_trt.schedule import TIME_DECAY, AcceptanceEvidence, DraftLengthController, PassContext
@@ -248,7 +248,7 @@ class Scheduler:
         self.draft_confidence_threshold = draft_confidence_threshold
         self.max_context = min(m for m in (target.max_context, drafter and drafter.max_context) if m)
         self.controllers = {part: DraftLengthController(max_auto_draft) for part in (MODEL, LOOKUP)}
-        self._prefill_cost = PrefillCost(TIME_DECAY)
+        self._pass_cost = PassCost(TIME_DECAY, target.packs_rows)  # the target's passes, every one
         self._round_s: float | None = None  # decayed mean seconds of a round
         self._inbox: queue.SimpleQueue[tuple] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -370,8 +370,13 @@ class Scheduler:
         budget = self._chunk_budget() if any(r.decoding for r in self._active.values()) else None
         self._admit(budget)
         prefilling = [r for r in self._active.values() if not r.decoding and r.finish_reason is None]
-        if prefilling:
-            self._prefill(prefilling, budget)
+        chunk = self._chunk(prefilling, budget) if prefilling else None
+        decoding = [r for r in self._active.values() if r.decoding]
+        if chunk is not None and decoding and self.target.packs_rows:
+            self._round(decoding, chunk)  # the chunk rides in the round's verify pass
+            return
+        if chunk is not None:
+            self._prefill(*chunk)
         decoding = [r for r in self._active.values() if r.decoding]
         if decoding:
             self._round(decoding)
@@ -380,16 +385,18 @@ class Scheduler:
         """Prompt tokens of the next prefill chunk beside decoding requests: as many as take about
         ``prefill_chunk_rounds`` rounds' time, times the prompts waiting for their first token per decoding
         request where they are more (each chunk holds up every decoding stream, each round every prompt behind
-        it: a burst of prompts beside one stream is not prefilled a sliver at a time). Timed from the prefill
-        passes and rounds so far, at the context the oldest prompt being prefilled has reached; between
-        ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``. Each pass rereads the weights, so a chunk much shorter
-        than that would spend most of its time on the pass's fixed cost."""
+        it: a burst of prompts beside one stream is not prefilled a sliver at a time). Timed from the passes
+        and rounds so far, at the context the oldest prompt being prefilled has reached, in the round's own
+        pass where the target packs rows (what the chunk adds to it) or in a pass of its own; between
+        ``MIN_PREFILL_CHUNK`` and ``prefill_chunk``. Each pass of its own rereads the weights, so a chunk much
+        shorter than that would spend most of its time on the pass's fixed cost."""
         if self.prefill_chunk_rounds is None or self._round_s is None:
             return self.prefill_chunk
         decoding = sum(r.decoding for r in self._active.values())
         share = max(1.0, self._prompts_to_prefill() / max(decoding, 1))
         cached = next((r.prefilled for r in self._active.values() if not r.decoding), 0)
-        fitting = self._prefill_cost.longest_chunk(cached, self.prefill_chunk_rounds * self._round_s * share)
+        seconds = self.prefill_chunk_rounds * self._round_s * share
+        fitting = self._pass_cost.longest_chunk(cached, seconds, alone=not self.target.packs_rows)
         return self.prefill_chunk if fitting is None else min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
 
     def _prompts_to_prefill(self) -> int:
@@ -452,10 +459,10 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.reserve(size)
 
-    def _prefill(self, prefilling: list[_Request], budget: int | None) -> None:
-        """One chunk: up to ``budget`` prompt tokens (None: all) over the requests being admitted, in one pass.
-        A pass pads every row to the longest chunk, so rows join it only while padding stays under half the
-        work; the others wait for the next step."""
+    def _chunk(self, prefilling: list[_Request], budget: int | None) -> tuple[list[_Request], list[list[int]]]:
+        """The next chunk: up to ``budget`` prompt tokens (None: all) over the requests being admitted, for one
+        pass. A pass that pads its rows pads every row to the longest chunk, so there rows join it only while
+        padding stays under half the work; the others wait for the next step."""
         rows, chunks = [], []
         longest = total = 0  # of the chunks taken so far
         for request in prefilling:
@@ -463,23 +470,31 @@ class Scheduler:
                 break
             chunk = request.prompt[request.prefilled :][:budget]
             widest = max(longest, len(chunk))
-            if chunks and (len(chunks) + 1) * widest > 2 * (total + len(chunk)):
+            if chunks and not self.target.packs_rows and (len(chunks) + 1) * widest > 2 * (total + len(chunk)):
                 break
             rows.append(request)
             chunks.append(chunk)
             longest, total = widest, total + len(chunk)
             budget = None if budget is None else budget - len(chunk)
+        return rows, chunks
+
+    def _prefill(self, rows: list[_Request], chunks: list[list[int]]) -> None:
+        """A chunk in a pass of its own."""
         sizes = [len(c) for c in chunks]
         cached = [r.prefilled for r in rows]
-        block = torch.tensor(pad_right(chunks))
         start = time.perf_counter()
-        logits = self.target.step([r.slot for r in rows], block, sizes, [n - 1 for n in sizes])
+        logits = self.target.step([r.slot for r in rows], torch.tensor(pad_right(chunks)), sizes, [n - 1 for n in sizes])
+        self._pass_cost.add(cached, sizes, time.perf_counter() - start)
+        self._prefilled(rows, chunks, logits[:, 0])
+
+    def _prefilled(self, rows: list[_Request], chunks: list[list[int]], logits: torch.Tensor) -> None:
+        """After the target's pass over a chunk (``logits`` [rows, V] after each row's last token): the
+        drafter's share of it, and the first token of each prompt the chunk completes."""
         drafting = [(r.slot, c) for r, c in zip(rows, chunks) if r.drafts and self.drafter is not None]
         tick = time.perf_counter()
         if drafting:
             self.drafter.prefill(*zip(*drafting))
         draft_s = time.perf_counter() - tick
-        self._prefill_cost.add(cached, longest, time.perf_counter() - start)  # padding is computed too
         complete = []
         for i, (request, chunk) in enumerate(zip(rows, chunks)):
             request.prefilled += len(chunk)
@@ -498,8 +513,8 @@ class Scheduler:
                 request.extend([token])
                 self._emit(request)
 
-    def _round(self, rows: list[_Request]) -> None:
-        """One speculative round over every decoding request."""
+    def _round(self, rows: list[_Request], chunk: tuple[list[_Request], list[list[int]]] | None = None) -> None:
+        """One speculative round over every decoding request, with ``chunk`` riding in its verify pass."""
         slots, sequences = [r.slot for r in rows], [r.sequence for r in rows]
         # A pass pads every row to the widest: the row with the least room left bounds the drafts.
         room = min(self.max_context - len(s) for s in sequences)
@@ -508,7 +523,16 @@ class Scheduler:
         parts = dict(zip(auto, self.drafter.parts([sequences[i] for i in auto]))) if auto else {}
         stop_rules = self._plan_auto(rows, auto, parts, limits, room) if auto else {}
         sampler = BatchSampler([r.params for r in rows], self.target.device, [r.generator for r in rows])
-        result = speculative_round(self.target, self.drafter, slots, sequences, limits, sampler, stop_rules or None)
+        riders = [] if chunk is None else [(r.slot, c) for r, c in zip(*chunk)]
+        cached = [len(s) - 1 for s in sequences] + [r.prefilled for r in (chunk[0] if chunk else [])]
+        result = speculative_round(
+            self.target, self.drafter, slots, sequences, limits, sampler, stop_rules or None, riders
+        )
+        widths = [n + 1 for n in result.num_drafted] + [len(c) for _, c in riders]
+        self._pass_cost.add(cached, widths, result.verify_s)
+        if chunk is not None:  # the round's own share of the pass: what the chunk added is the prefill's
+            added = self._pass_cost.added_seconds(cached[len(rows) :], widths[len(rows) :])
+            result.verify_s = max(result.verify_s - added, 0.0)
         if self.events is not None:
             self.events += [("round", r.request_id) for r in rows]
         seconds = result.draft_s + result.verify_s
@@ -522,13 +546,15 @@ class Scheduler:
             request.stats.verify_s += result.verify_s
             request.extend(tokens)
             self._emit(request)
+        if chunk is not None:
+            self._prefilled(*chunk, result.rider_logits)
 
     def _round_fixed_s(self) -> float:
-        """Seconds each round costs beyond its draft and verify passes, whatever it drafts: while a prompt is
-        being prefilled in chunks of a round's time (or waits for a free slot), the fixed cost of the chunk that
-        follows it. Fewer, fuller rounds pay it fewer times."""
+        """Seconds each round costs beyond its draft and verify passes, whatever it drafts: where chunks run in
+        passes of their own, while a prompt is being prefilled in chunks of a round's time (or waits for a free
+        slot), the fixed cost of the chunk's pass that follows it. Fewer, fuller rounds pay it fewer times."""
         chunked = self.prefill_chunk_rounds is not None and self._prompts_to_prefill() > 0
-        return float(self._prefill_cost.coefficients()[0]) if chunked else 0.0
+        return float(self._pass_cost.coefficients()[0]) if chunked and not self.target.packs_rows else 0.0
 
     def _plan_auto(
         self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int
@@ -653,8 +679,9 @@ class Scheduler:
         self._waiting.clear()
 
     def _profile(self) -> None:
-        """Seed the cost model of a round at a few numbers of rows with a short measured profile: the
-        target's verify pass at the narrowest and the widest draft length, and the draft's steps."""
+        """Seed the cost models with a short measured profile at a few numbers of rows: the target's verify
+        pass at the narrowest and the widest draft length, and the draft's steps (auto's lines); every target
+        pass, the prefill of the profile's context too (the pass cost that sizes prefill chunks)."""
         engine = getattr(self.drafter, "engine", None)
         models = (self.target,) if engine is None else (self.target, engine)
         sizes = [n for n in (1, 2, 4, 8) if self.max_batch_size is None or n <= self.max_batch_size]
@@ -668,13 +695,17 @@ class Scheduler:
             for model in models:
                 for slot in slots:
                     model.admit(slot)
-                model.step(slots, context, logits_at=[cached - 1] * rows)
+                tick = time.perf_counter()
+                model.step(slots, context, logits_from=[cached - 1] * rows)
+                if model is self.target:
+                    self._pass_cost.add([0] * rows, [cached] * rows, time.perf_counter() - tick)
             for _ in range(PROFILE_REPEATS):
                 for width in widths:
                     tick = time.perf_counter()
                     self.target.step(slots, torch.randint(0, self.target.vocab_size, (rows, width)))
                     seconds = time.perf_counter() - tick
                     self.target.truncate(slots, [cached] * rows)
+                    self._pass_cost.add([cached] * rows, [width] * rows, seconds)
                     self.controllers[MODEL].costs.add_verify(rows, width - 1, seconds)
                     self.controllers[LOOKUP].costs.add_verify(rows, width - 1, seconds)
                 if engine is not None:  # a draft of the longest length, one step per token

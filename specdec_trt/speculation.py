@@ -5,6 +5,10 @@ token. A round feeds the target [last committed token, d_1 .. d_k] for each row 
 plain step) in one verify pass, rejection-samples each row with its own generator, and leaves the accepted
 drafts and the target's token to commit; the next round rolls the target back to the committed length by
 moving its length pointers, so rejected drafts are never read and nothing is copied.
+
+Prefill chunks of requests being admitted can ride in the verify pass: on an engine that packs a pass's
+tokens they cost their own tokens and no pass of their own, whose fixed cost (reading every weight) would
+otherwise be paid once more per round while a prompt is prefilled.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from specdec_trt.drafting import Draft, Drafter, StopRule, merge_drafts
+from specdec_trt.drafting import Draft, Drafter, StopRule, merge_drafts, pad_right
 from specdec_trt.rejection import greedy_verify, rejection_sample
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
@@ -25,7 +30,8 @@ from specdec_trt.sampling import BatchSampler
 @dataclass
 class RoundResult:
     """Per row: the tokens to commit (accepted drafts, then the target's own), drafts made and accepted;
-    the drafts' confidences (queued to the host, when stop rules asked for them) and the round's times."""
+    the drafts' confidences (queued to the host, when stop rules asked for them), the round's times (the
+    verify pass's with the chunks that rode in it), and the logits after each riding chunk's last token."""
 
     tokens: list[list[int]]
     num_drafted: list[int]
@@ -33,6 +39,7 @@ class RoundResult:
     confidence: HostCopy | None
     draft_s: float
     verify_s: float
+    rider_logits: torch.Tensor | None = None
 
 
 def speculative_round(
@@ -43,9 +50,11 @@ def speculative_round(
     limits: Sequence[int],
     sampler: BatchSampler,
     stop_rules: dict[str, StopRule] | None = None,
+    riders: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> RoundResult:
     """Draft up to ``limits[i]`` tokens for row i (none where 0), verify all rows in one target pass and
-    accept each row's longest valid prefix plus one token. One host synchronisation, reading the result."""
+    accept each row's longest valid prefix plus one token. ``riders``: prefill chunks (slot, tokens) that
+    the verify pass takes too. One host synchronisation, reading the result."""
     tick = time.perf_counter()
     drafting = [i for i, k in enumerate(limits) if k > 0]
     draft = Draft.empty(len(slots), target.device)
@@ -58,7 +67,18 @@ def speculative_round(
     confidence = None if draft.confidence is None else HostCopy(draft.confidence.float())
     target.truncate(slots, [len(s) - 1 for s in sequences])
     last = to_device(torch.tensor([s[-1:] for s in sequences]), target.device)
-    logits = target.step(slots, torch.cat([last, draft.token_ids.to(last.device)], 1), (draft.num_drafts + 1).tolist())
+    block = torch.cat([last, draft.token_ids.to(last.device)], 1)
+    pass_slots, num_new, logits_from = list(slots), (draft.num_drafts + 1).tolist(), [0] * len(slots)
+    if riders:
+        chunks = to_device(torch.tensor(pad_right([chunk for _, chunk in riders])), target.device)
+        width = max(block.shape[1], chunks.shape[1])
+        block = torch.cat([F.pad(block, (0, width - block.shape[1])), F.pad(chunks, (0, width - chunks.shape[1]))])
+        pass_slots += [slot for slot, _ in riders]
+        num_new += [len(chunk) for _, chunk in riders]
+        logits_from += [len(chunk) - 1 for _, chunk in riders]
+    logits = target.step(pass_slots, block, num_new, logits_from)
+    rider_logits = logits[len(slots) :, 0] if riders else None
+    logits = logits[: len(slots)]
     num_drafts = to_device(draft.num_drafts, target.device)
     if sampler.all_greedy:
         output, num_accepted = greedy_verify(draft.token_ids, logits, num_drafts)
@@ -69,5 +89,5 @@ def speculative_round(
     done = time.perf_counter()
     tokens = [row[: row[-1] + 1] for row in rows]
     return RoundResult(
-        tokens, draft.num_drafts.tolist(), [row[-1] for row in rows], confidence, tock - tick, done - tock
+        tokens, draft.num_drafts.tolist(), [row[-1] for row in rows], confidence, tock - tick, done - tock, rider_logits
     )

@@ -130,10 +130,10 @@ def spy_on_draft_steps(drafter, engine) -> list[int]:
     drafting: list[bool] = []
     step, propose = engine.step, drafter.propose
 
-    def spy_step(slots, ids, num_new=None, logits_at=None):
+    def spy_step(slots, ids, num_new=None, logits_from=None):
         if drafting:
             widths.append(ids.shape[1] if num_new is None else max(num_new))
-        return step(slots, ids, num_new, logits_at)
+        return step(slots, ids, num_new, logits_from)
 
     def spy_propose(*args):
         drafting.append(True)

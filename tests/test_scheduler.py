@@ -196,20 +196,63 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_dec
         handle.cancel()
 
 
+def seed_pass_cost(scheduler, fixed: float = 0.013, per_row: float = 0.002, per_token: float = 0.0014) -> None:
+    """Passes of 1 and 2 rows of several widths, timed as fixed + per_row * rows + per_token * tokens."""
+    for rows in (1, 2):
+        for tokens in (10, 50, 100):
+            scheduler._pass_cost.add([0] * rows, [tokens] * rows, fixed + per_row * rows + per_token * rows * tokens)
+
+
 def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
     """Beside decoding requests a chunk holds as many prompt tokens as take a round's time (by default), from
-    the passes timed so far: never more than prefill_chunk, never fewer than MIN_PREFILL_CHUNK."""
+    the passes timed so far: what it adds to the round's pass where the target packs rows (ONNX Runtime), a
+    pass of its own, fixed cost included, where it pads them; never more than prefill_chunk, never fewer
+    than MIN_PREFILL_CHUNK."""
     scheduler = make_decoder(prefill_chunk=256).scheduler
     assert scheduler.prefill_chunk_rounds == DEFAULT_PREFILL_CHUNK_ROUNDS == 1.0
     assert scheduler._chunk_budget() == 256  # nothing timed yet
-    for tokens in (10, 50, 100):
-        scheduler._prefill_cost.add([0], tokens, 0.013 + 0.0014 * tokens)
+    seed_pass_cost(scheduler)
     scheduler._round_s = 0.0425
-    assert scheduler._chunk_budget() == int((0.0425 - 0.013) / 0.0014) == 21
+    fixed = 0.0 if scheduler.target.packs_rows else 0.013
+    fitting = (0.0425 - fixed - 0.002) / 0.0014  # 28 or 19 tokens (the fit may round one below)
+    assert int(fitting) - 1 <= scheduler._chunk_budget() <= int(fitting)
     scheduler._round_s = 0.5
     assert scheduler._chunk_budget() == 256
     scheduler._round_s = 0.004
     assert scheduler._chunk_budget() == MIN_PREFILL_CHUNK
+
+
+def test_chunks_ride_in_the_rounds_pass_where_the_target_packs_rows(make_decoder) -> None:
+    """ONNX Runtime packs a pass's tokens: a chunk beside decoding requests goes into their round's verify pass
+    (one pass a step), and the outputs are the solo ones. The PyTorch engine pads: a chunk there is a pass
+    of its own, which would otherwise pad every verify row to the chunk's width."""
+    decoder = make_decoder(prefill_chunk=16)
+    target = decoder.scheduler.target
+    passes = []
+    step = target.step
+
+    def spy(slots, ids, num_new=None, logits_from=None):
+        passes.append(list(num_new) if num_new is not None else [ids.shape[1]] * len(slots))
+        return step(slots, ids, num_new, logits_from)
+
+    expected = solo(decoder, "hello there", dataclasses.replace(GREEDY, max_new_tokens=30), 2)
+    prompt = "the cat sat on the mat, " * 4 + "and on"  # 102 tokens
+    expected_long = solo(decoder, prompt, GREEDY, 2)
+    target.step = spy
+    runner = decoder.submit("hello there", dataclasses.replace(GREEDY, max_new_tokens=30), 2)
+    pieces = iter(runner)
+    next(pieces)
+    passes.clear()
+    arriving = decoder.submit(prompt, GREEDY, 2)
+    assert arriving.result().token_ids == expected_long
+    chunked = [p for p in passes if max(p) > 3]  # a verify row takes at most 3 tokens (k=2)
+    assert len(chunked) >= 102 // 16
+    shared = [p for p in chunked if len(p) == 2]
+    if target.packs_rows:
+        assert shared and len(shared) >= len(chunked) - 1, passes  # all but maybe one after the runner ended
+    else:
+        assert not shared, passes
+    assert runner.result().token_ids == expected
 
 
 def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(make_decoder) -> None:
@@ -223,8 +266,9 @@ def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(make_decoder) -
     def spy() -> int:
         budget = measure()
         waiting = len(scheduler._waiting) + sum(not r.decoding for r in scheduler._active.values())
-        one_round = scheduler._prefill_cost.longest_chunk(0, scheduler._round_s)
-        three_rounds = scheduler._prefill_cost.longest_chunk(0, 3 * scheduler._round_s)
+        alone = not scheduler.target.packs_rows
+        one_round = scheduler._pass_cost.longest_chunk(0, scheduler._round_s, alone)
+        three_rounds = scheduler._pass_cost.longest_chunk(0, 3 * scheduler._round_s, alone)
         budgets.append((waiting, budget, one_round, three_rounds))
         return budget
 
@@ -244,10 +288,11 @@ def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(
     """Twice the rounds' time, chunks take twice the time; no bound: chunks of prefill_chunk tokens, and the
     long prompt of the interleaving test is prefilled in as few passes as that allows."""
     scheduler = make_decoder(prefill_chunk=256, prefill_chunk_rounds=2.0).scheduler
-    for tokens in (10, 50, 100):
-        scheduler._prefill_cost.add([0], tokens, 0.013 + 0.0014 * tokens)
+    seed_pass_cost(scheduler)
     scheduler._round_s = 0.0425
-    assert scheduler._chunk_budget() == int((2 * 0.0425 - 0.013) / 0.0014) == 51
+    fixed = 0.0 if scheduler.target.packs_rows else 0.013
+    fitting = (2 * 0.0425 - fixed - 0.002) / 0.0014  # 59 or 50 tokens (the fit may round one below)
+    assert int(fitting) - 1 <= scheduler._chunk_budget() <= int(fitting)
     decoder = make_decoder(prefill_chunk=40, prefill_chunk_rounds=None)
     decoder.scheduler.events = events = []
     runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), 2)
@@ -264,16 +309,18 @@ def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(
 
 @pytest.mark.parametrize("rounds", [DEFAULT_PREFILL_CHUNK_ROUNDS, None])
 def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_decoder, rounds) -> None:
-    """What auto weighs a round's drafts against beyond its passes: while a prompt is prefilled in chunks beside
-    it, the fixed cost of the chunk each round brings (more tokens per round, fewer chunks), and nothing once
-    no prompt is waiting; with chunks not bounded by rounds, their number does not depend on the rounds."""
+    """What auto weighs a round's drafts against beyond its passes: where chunks run in passes of their own
+    (the PyTorch engine), while a prompt is prefilled in chunks beside the round, the fixed cost of the chunk's
+    pass each round brings (more tokens per round, fewer chunks), and nothing once no prompt is waiting; with
+    chunks not bounded by rounds, their number does not depend on the rounds. Where chunks ride in the
+    round's own pass (ONNX Runtime), they bring no pass of their own, and nothing."""
     decoder = make_decoder(prefill_chunk=16, prefill_chunk_rounds=rounds)
     scheduler = decoder.scheduler
     seen = []
     scheduler.on_round = lambda seconds, drafted: seen.append(
         (
             scheduler._round_fixed_s(),
-            float(scheduler._prefill_cost.coefficients()[0]),
+            float(scheduler._pass_cost.coefficients()[0]),
             any(not r.decoding for r in scheduler._active.values()),
         )
     )
@@ -288,9 +335,9 @@ def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_d
     alone = [fixed for fixed, _, prefilling in seen[-3:] if not prefilling]
     assert len(beside) >= 3 and alone
     assert all(fixed == 0 for fixed in alone)
-    chunk_counts = 0 if rounds is None else 1
+    chunk_counts = 0 if rounds is None or scheduler.target.packs_rows else 1
     assert all(fixed == pytest.approx(chunk_counts * chunk) for fixed, chunk in beside)
-    assert rounds is None or any(chunk > 0 for _, chunk in beside)
+    assert not chunk_counts or any(chunk > 0 for _, chunk in beside)
 
 
 def test_auto_plans_the_verify_pass_as_the_target_computes_it(make_decoder, request) -> None:

@@ -69,8 +69,8 @@ def test_admitted_slots_keep_each_others_caches(make_engine) -> None:
         engine.admit(slot)
         chunks = [prompt[:5], prompt[5:]] if slot == 3 else [prompt]
         for chunk in chunks:
-            last = engine.step([slot], torch.tensor([chunk]), logits_at=[len(chunk) - 1])
-        torch.testing.assert_close(last[0], alone(make_engine, prompt), atol=TOLERANCE, rtol=0)
+            last = engine.step([slot], torch.tensor([chunk]), logits_from=[len(chunk) - 1])
+        torch.testing.assert_close(last[0, 0], alone(make_engine, prompt), atol=TOLERANCE, rtol=0)
     new = [[5, 6, 7], [8], [9, 10]]
     block = torch.tensor([row + [0] * (3 - len(row)) for row in new])
     logits = engine.step([2, 0, 3], block, [len(row) for row in new])
@@ -78,6 +78,26 @@ def test_admitted_slots_keep_each_others_caches(make_engine) -> None:
         seen[i] += row
         torch.testing.assert_close(logits[i, len(row) - 1], alone(make_engine, seen[i]), atol=TOLERANCE, rtol=0)
     assert engine.lengths.tolist() == [13, 0, 15, 14]
+
+
+def test_one_pass_returns_every_token_of_one_row_and_the_last_of_another(make_engine) -> None:
+    """A verify row (logits of all its 3 new tokens) and a prefill chunk (its last token's only, of 6) in one
+    pass: [2, 3, V], each row's logits its own, and 0 past the chunk's one."""
+    engine = make_engine()
+    engine.reserve(2)
+    decoding, prompt = sequences(1, 7, seed=7)[0], sequences(1, 6, seed=8)[0]
+    engine.admit(0)
+    engine.step([0], torch.tensor([decoding]))
+    engine.admit(1)
+    block = torch.tensor([[21, 22, 23, 0, 0, 0], prompt])
+    logits = engine.step([0, 1], block, [3, 6], logits_from=[0, 5])
+    assert logits.shape == (2, 3, engine.vocab_size)
+    for i in range(3):
+        expected = alone(make_engine, decoding + [21, 22, 23][: i + 1])
+        torch.testing.assert_close(logits[0, i], expected, atol=TOLERANCE, rtol=0)
+    torch.testing.assert_close(logits[1, 0], alone(make_engine, prompt), atol=TOLERANCE, rtol=0)
+    assert not logits[1, 1:].any()
+    assert engine.lengths.tolist() == [10, 6]
 
 
 def test_release_moves_the_last_row_and_steps_stay_exact(make_engine) -> None:
@@ -173,6 +193,7 @@ def test_copy_from_gives_a_self_draft_the_targets_keys_and_values(make_engine) -
         (lambda e: e.admit(5), "outside the engine's 2 slots"),
         (lambda e: (e.admit(0), e.step([0, 0], torch.tensor([[1], [2]]))), "distinct"),
         (lambda e: (e.admit(0), e.step([0], torch.tensor([[1, 2]]), [3])), "1 to 2 tokens"),
+        (lambda e: (e.admit(0), e.step([0], torch.tensor([[1, 2]]), [2], [2])), "index into each row's"),
         (lambda e: e.release(1), "are free"),
     ],
 )

@@ -31,7 +31,7 @@ def step_breakdown(spec: OrtModelSpec, context: int = 100, steps: int = 32) -> d
         engine = OrtEngine(spec, profile_prefix=Path(scratch) / "step")
         engine.reserve(1)
         engine.admit(0)
-        engine.step([0], torch.arange(context).remainder(spec.vocab_size)[None], logits_at=[context - 1])
+        engine.step([0], torch.arange(context).remainder(spec.vocab_size)[None], logits_from=[context - 1])
         start = time.perf_counter()
         for token in range(steps):
             engine.step([0], torch.tensor([[token % spec.vocab_size]]))
