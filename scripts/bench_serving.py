@@ -212,6 +212,7 @@ def fitted_lines(decoder: SpeculativeDecoder) -> dict:
     for part, controller in decoder.scheduler.controllers.items():
         fitted[part] = {
             "verify": {n: [round(c, 5) for c in line.coefficients()] for n, line in controller.costs.verifying.items()},
+            "plain": {n: round(line.coefficients()[0], 5) for n, line in controller.costs.plain.items()},
             "draft": {n: [round(c, 5) for c in line.coefficients()] for n, line in controller.costs.drafting.items()},
         }
     return fitted

@@ -3,12 +3,15 @@ fits in a given time.
 
 A pass over rows holding ``cached_r`` tokens, taking ``w_r`` new tokens each, costs
 
-    fixed + per_row * rows + per_token * tokens + per_attended * attended
+    fixed + per_row * rows + per_wide_row * [some row takes several] * rows + per_token * tokens
+          + per_attended * attended
 
 where ``tokens`` is what the engine computes (sum of w_r where it packs the rows' tokens, rows * max w_r where
 it pads them) and ``attended`` sums, over the computed tokens, the positions each attends to (w_r * (cached_r
 + w_r) a row, at the computed width). Verify passes, prefill chunks and passes holding both fit one model: a
-token costs the same matrix products whichever it is. The attention term is what makes a chunk late in a long
+token costs the same matrix products whichever it is. ONNX Runtime's attention takes a slower path for every
+row of a pass where some row takes several new tokens (a pass of 8 rows after 450 tokens: 32 ms with one
+token a row, 45 ms when one of them takes two), hence the wide-row term. The attention term is what makes a chunk late in a long
 prompt slower than the same chunk early on (on SmolLM2-135M on two CPU cores, a 48-token chunk takes 60%
 longer after 1,450 cached tokens than after 50): a cost fitted on tokens alone underestimates those chunks,
 and the running streams wait longer than their bound.
@@ -21,14 +24,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-FEATURES = 4  # fixed, per row, per computed token, per attended (token, position) pair
+FEATURES = 5  # fixed, per row, per row of a pass with a wide row, per computed token, per attended pair
 
 
 def pass_features(cached: Sequence[int], widths: Sequence[int], packed: bool) -> np.ndarray:
-    """[1, rows, tokens, attended] of a pass giving row r ``widths[r]`` new tokens after ``cached[r]``."""
+    """[1, rows, wide rows, tokens, attended] of a pass giving row r ``widths[r]`` new tokens after
+    ``cached[r]`` (wide rows: every row where some row takes several tokens, else 0)."""
     computed = np.asarray(widths, dtype=float) if packed else np.full(len(widths), float(max(widths)))
     attended = float(computed @ (np.asarray(cached, dtype=float) + computed))
-    return np.array([1.0, len(widths), computed.sum(), attended])
+    rows = len(widths)
+    return np.array([1.0, rows, rows * (max(widths) > 1), computed.sum(), attended])
 
 
 class PassCost:
@@ -51,7 +56,8 @@ class PassCost:
         self._solved = None
 
     def coefficients(self) -> np.ndarray:
-        """[fixed, per_row, per_token, per_attended] in seconds; zeros before any observation. Solved once per
+        """[fixed, per_row, per_wide_row, per_token, per_attended] in seconds; zeros before any observation.
+        Solved once per
         observation: the scheduler asks every step and every auto round."""
         if self._solved is None:
             self._solved = self._solve()
@@ -75,22 +81,23 @@ class PassCost:
         """The predicted seconds of a pass (0 before any observation)."""
         return float(self.coefficients() @ pass_features(cached, widths, self.packed))
 
-    def added_seconds(self, cached: Sequence[int], widths: Sequence[int]) -> float:
-        """What these rows add to a pass that runs anyway: all but its fixed cost."""
-        return float(self.coefficients()[1:] @ pass_features(cached, widths, self.packed)[1:])
+    def added_seconds(self, cached: Sequence[int], widths: Sequence[int], added: int) -> float:
+        """What the last ``added`` rows of a pass add to the pass of the others alone."""
+        base = self.seconds(cached[:-added], widths[:-added]) if added < len(widths) else 0.0
+        return self.seconds(cached, widths) - base
 
-    def longest_chunk(self, cached: int, seconds: float, alone: bool) -> int | None:
+    def longest_chunk(self, cached: int, seconds: float, pass_rows: int = 0) -> int | None:
         """The most new tokens one row holding ``cached`` tokens can prefill in ``seconds`` (0 if not even
-        one), in a pass of its own (``alone``) or added to one that runs anyway; None while nothing says a
-        token costs anything (nothing timed yet)."""
-        fixed, per_row, per_token, per_attended = self.coefficients()
-        # per_attended * w^2 + (per_token + per_attended * cached) * w + per_row [+ fixed] <= seconds
+        one): in a pass of its own (``pass_rows`` 0), or added to a pass of ``pass_rows`` rows of one token
+        each (which it makes a pass with a wide row); None while nothing says a token costs anything
+        (nothing timed yet)."""
+        fixed, per_row, per_wide_row, per_token, per_attended = self.coefficients()
+        # per_attended * w^2 + (per_token + per_attended * cached) * w + what the row adds besides <= seconds
         linear = per_token + per_attended * cached
         if linear <= 0:
             return None
-        room = seconds - per_row - (fixed if alone else 0.0)
+        room = seconds - per_row - per_wide_row * (pass_rows + 1) - (0.0 if pass_rows else fixed)
         if room <= 0:
             return 0
-        if per_attended <= 0:
-            return int(room / linear)
-        return int((math.sqrt(linear * linear + 4 * per_attended * room) - linear) / (2 * per_attended))
+        # the positive root of the quadratic, in the form that stays exact as per_attended goes to 0
+        return int(2 * room / (linear + math.sqrt(linear * linear + 4 * per_attended * room)))

@@ -1,7 +1,11 @@
 """Acceptance-driven draft length ("auto" gamma): which rows draft in a round, and how far, for the most tokens/s.
 
 A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n x (drafting over
-those j rows, then verifying the pass of n rows; every line fitted by decayed least squares per number of rows).
+those j rows, then verifying the pass of n rows; every line fitted by decayed least squares per number of rows)
+where some row of the pass drafts (x > 0), and a pass of one token a row costs its own decayed mean: ONNX
+Runtime's attention takes a slower path for several new tokens a row, so the first draft in a pass of 8
+rows costs about as much as the next eight (measured in docs/MEASUREMENTS.md), and a line through plain and
+drafting passes would make one draft look cheap and many dear.
 x is the pass's drafts per row as the engine computes them: where it pads every row to the widest, x =
 max(g, w), w being what the other rows of the pass draft anyway; where it packs the rows' tokens (ONNX
 Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting costs only its own tokens. A
@@ -10,8 +14,10 @@ the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ... 
 where p_i is the row's acceptance of its i-th draft given the ones before it were accepted (acceptance is
 bursty, so later drafts pass more often than the first). The evidence decays per drafted token, so the
 estimates follow the text. The plan maximises the pass's tokens / time over g and over j, the rows expected to
-gain most drafting; g = 0 is a plain step, and at least every ``probe_every``-th round drafts so acceptance
-keeps being measured. Counting the whole pass matters under load: a plain round of a full batch yields a token
+gain most drafting; g = 0 is a plain step. Where plain steps win, a round drafts anyway now and then (a probe)
+so acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the best probe is
+predicted to lose much, so that probes cost about ``PROBE_COST`` of the time at most (under load a pass of 8
+rows with one draft in it costs a third more than without, and a probe every fourth round cost a tenth). Counting the whole pass matters under load: a plain round of a full batch yields a token
 per row, and a draft that pays beside one row's token rarely pays beside eight.
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
@@ -21,6 +27,7 @@ calibrated against the verifier's verdicts. The controller is deterministic give
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,7 +39,8 @@ PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a weak prior: acceptance 0.5, worth t
 POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate, in trials
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
 TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
-PROBE_EVERY = 4  # at most PROBE_EVERY - 1 plain rounds in a row
+PROBE_EVERY = 4  # at least PROBE_EVERY - 1 plain rounds before a probe
+PROBE_COST = 0.02  # the share of the time probes may lose, on average, where drafting does not pay
 CONFIDENCE_BINS = np.array([0.3, 0.5, 0.7, 0.9, 0.97])  # edges of the draft-confidence bins
 CONFIDENCE_PRIOR = np.convolve(np.r_[0.0, CONFIDENCE_BINS, 1.0], [0.5, 0.5], "valid")  # each bin's middle
 CALIBRATION_SHRINK = 2.0  # the prior's weight in a bin, in trials
@@ -85,29 +93,37 @@ class AcceptanceEvidence:
 class CostLines:
     """Seconds of a round's drafting and verifying against its draft length, one pair of fitted lines per
     number of rows (a round over more rows costs more, and its cost grows faster with the draft length once
-    the rows make the step compute-bound). A row count without observations of its own takes the line of
-    the nearest counts that have some, interpolated."""
+    the rows make the step compute-bound), and the decayed mean of a verify pass without drafts. A row count
+    without observations of its own takes the line of the nearest counts that have some, interpolated."""
 
     def __init__(self, decay: float) -> None:
         self.decay = decay
         self.drafting: dict[int, DecayedLine] = {}  # seconds against tokens drafted
-        self.verifying: dict[int, DecayedLine] = {}  # seconds against drafts verified
+        self.verifying: dict[int, DecayedLine] = {}  # seconds against drafts verified, passes with drafts
+        self.plain: dict[int, DecayedLine] = {}  # seconds of passes without drafts (x = 0: their mean)
 
     def add_draft(self, rows: int, num_drafted: int, seconds: float) -> None:
         """Drafting ``num_drafted`` tokens for ``rows`` rows took ``seconds``."""
         self.drafting.setdefault(rows, DecayedLine(self.decay, through_origin=True)).add(num_drafted, seconds)
 
-    def add_verify(self, rows: int, num_drafted: int, seconds: float) -> None:
-        """Verifying up to ``num_drafted`` drafts for each of ``rows`` rows took ``seconds``."""
-        self.verifying.setdefault(rows, DecayedLine(self.decay, through_origin=False)).add(num_drafted, seconds)
+    def add_verify(self, rows: int, num_drafted: float, seconds: float) -> None:
+        """Verifying ``num_drafted`` drafts per row (``PassContext.drafts_per_row``) for ``rows`` rows took
+        ``seconds``."""
+        lines = self.verifying if num_drafted > 0 else self.plain
+        lines.setdefault(rows, DecayedLine(self.decay, through_origin=False)).add(num_drafted, seconds)
 
     def draft_cost(self, rows: int) -> tuple[float, float]:
         """(d, c): drafting seconds per drafting round and per drafted token, at ``rows`` rows."""
         return _at(self.drafting, rows)
 
     def verify_cost(self, rows: int) -> tuple[float, float]:
-        """(a, b) of the verify time a + b * g at ``rows`` rows."""
+        """(a, b) of the verify time a + b * x at ``rows`` rows, of a pass where some row drafts (x > 0)."""
         return _at(self.verifying, rows)
+
+    def plain_cost(self, rows: int) -> float:
+        """Seconds of a verify pass at ``rows`` rows where no row drafts; the drafting line's intercept while
+        no such pass was timed."""
+        return _at(self.plain, rows)[0] if self.plain else self.verify_cost(rows)[0]
 
 
 def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
@@ -206,7 +222,9 @@ class DraftLengthController:
         context = context or PassContext(rows)
         (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(context.rows)
         g = np.arange(self.max_draft + 1)
-        return (g > 0) * (d + c * g) + a + b * context.drafts_per_row(rows, g)
+        x = context.drafts_per_row(rows, g)
+        verify = np.where(x > 0, a + b * x, self.costs.plain_cost(context.rows))
+        return (g > 0) * (d + c * g) + verify
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
         """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
@@ -233,9 +251,10 @@ class DraftLengthController:
         if self.rounds == 0:
             lengths = [min(self.first, limit)] * len(rows)
         else:
-            low = 1 if self.plain_streak >= self.probe_every - 1 else 0
             tokens = self.row_tokens(rows)
-            rates = self._rates(tokens, context or PassContext(len(rows)))[low:, low : limit + 1]
+            rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
+            low = 1 if self.plain_streak >= self.probe_interval(rates) - 1 else 0
+            rates = rates[low:, low:]
             j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(rates)), rates.shape))
             order = np.argsort(-tokens[:, gamma], kind="stable")
             drafting = set(order[:j].tolist()) if gamma else set()
@@ -243,6 +262,13 @@ class DraftLengthController:
             lengths = [gamma if r in drafting else 0 for r in range(len(rows))]
         self.plain_streak = 0 if any(lengths) else self.plain_streak + 1
         return lengths
+
+    def probe_interval(self, rates: np.ndarray) -> int:
+        """Rounds from one probe to the next where plain rounds win (``rates``: as ``rates`` returns them):
+        ``probe_every``, or as many as make the best probe's predicted loss, against a plain round's tokens/s,
+        about ``PROBE_COST`` of their time."""
+        loss = 1.0 - float(rates[1:, 1:].max()) / max(float(rates[0, 0]), 1e-12)
+        return max(self.probe_every, math.ceil(loss / PROBE_COST))
 
     def stop_rule(
         self,

@@ -5,16 +5,17 @@
 not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of it:
 
 1. takes in submissions and cancellations, and admits waiting requests into free slots (FIFO);
-2. prefills one chunk over the requests being admitted, in one pass: up to ``prefill_chunk`` prompt tokens,
-   fewer where a chunk that long would take longer than ``prefill_chunk_rounds`` rounds (timed as they run,
-   never under ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens
-   come about ``prefill_chunk_rounds + 1`` times further apart than a round (more while more prompts wait
-   for their first token than requests decode), never after its whole prefill
-   (with no request decoding there is nobody to delay, and every admitted prompt is prefilled at once);
+2. takes one chunk over the requests being admitted: up to ``prefill_chunk`` prompt tokens, fewer where a
+   chunk that long would take longer than ``prefill_chunk_rounds`` rounds (timed as they run, never under
+   ``MIN_PREFILL_CHUNK``), so that while a long prompt is prefilled the running requests' tokens come about
+   ``prefill_chunk_rounds + 1`` times further apart than a round (more while more prompts wait for their
+   first token than requests decode), never after its whole prefill (with no request decoding there is
+   nobody to delay, and every admitted prompt is prefilled at once);
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
    from each request's own acceptance and a cost model fitted per number of rows (a request whose drafts do
-   not pay for themselves beside the others' tokens drafts none);
+   not pay for themselves beside the others' tokens drafts none). Where the target packs a pass's tokens
+   (ONNX Runtime) the chunk rides in the round's verify pass; elsewhere it is a pass of its own before it;
 4. emits text deltas, and releases finished requests' slots at once.
 
 A request's greedy output never depends on what it shares the batch with, and sampled output keeps the
@@ -396,7 +397,7 @@ class Scheduler:
         share = max(1.0, self._prompts_to_prefill() / max(decoding, 1))
         cached = next((r.prefilled for r in self._active.values() if not r.decoding), 0)
         seconds = self.prefill_chunk_rounds * self._round_s * share
-        fitting = self._pass_cost.longest_chunk(cached, seconds, alone=not self.target.packs_rows)
+        fitting = self._pass_cost.longest_chunk(cached, seconds, max(decoding, 1) if self.target.packs_rows else 0)
         return self.prefill_chunk if fitting is None else min(self.prefill_chunk, max(MIN_PREFILL_CHUNK, fitting))
 
     def _prompts_to_prefill(self) -> int:
@@ -531,7 +532,7 @@ class Scheduler:
         widths = [n + 1 for n in result.num_drafted] + [len(c) for _, c in riders]
         self._pass_cost.add(cached, widths, result.verify_s)
         if chunk is not None:  # the round's own share of the pass: what the chunk added is the prefill's
-            added = self._pass_cost.added_seconds(cached[len(rows) :], widths[len(rows) :])
+            added = self._pass_cost.added_seconds(cached, widths, len(riders))
             result.verify_s = max(result.verify_s - added, 0.0)
         if self.events is not None:
             self.events += [("round", r.request_id) for r in rows]
@@ -680,12 +681,12 @@ class Scheduler:
 
     def _profile(self) -> None:
         """Seed the cost models with a short measured profile at a few numbers of rows: the target's verify
-        pass at the narrowest and the widest draft length, and the draft's steps (auto's lines); every target
+        pass without drafts, with one and with the most a row, and the draft's steps (auto's lines); every target
         pass, the prefill of the profile's context too (the pass cost that sizes prefill chunks)."""
         engine = getattr(self.drafter, "engine", None)
         models = (self.target,) if engine is None else (self.target, engine)
         sizes = [n for n in (1, 2, 4, 8) if self.max_batch_size is None or n <= self.max_batch_size]
-        widths = (1, 1 + self.max_auto_draft)
+        widths = (1, 2, 1 + self.max_auto_draft)  # no draft, one, the most: the line of passes with drafts
         cached = min(PROFILE_CONTEXT, self.max_context - widths[-1] - self.max_auto_draft)
         if cached < 1:
             return

@@ -196,11 +196,24 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_dec
         handle.cancel()
 
 
-def seed_pass_cost(scheduler, fixed: float = 0.013, per_row: float = 0.002, per_token: float = 0.0014) -> None:
-    """Passes of 1 and 2 rows of several widths, timed as fixed + per_row * rows + per_token * tokens."""
+FIXED, PER_ROW, PER_WIDE_ROW, PER_TOKEN = 0.013, 0.002, 0.001, 0.0014
+
+
+def seed_pass_cost(scheduler) -> None:
+    """Passes of 1 and 2 rows of several widths, timed as FIXED + PER_ROW * rows + PER_TOKEN * tokens, and
+    PER_WIDE_ROW * rows more where the rows take several tokens."""
     for rows in (1, 2):
-        for tokens in (10, 50, 100):
-            scheduler._pass_cost.add([0] * rows, [tokens] * rows, fixed + per_row * rows + per_token * rows * tokens)
+        for tokens in (1, 10, 50, 100):
+            per_row = PER_ROW + PER_WIDE_ROW * (tokens > 1)
+            scheduler._pass_cost.add([0] * rows, [tokens] * rows, FIXED + per_row * rows + PER_TOKEN * rows * tokens)
+
+
+def chunk_fitting(scheduler, seconds: float) -> float:
+    """Tokens of a chunk taking ``seconds``: beside one decoding row in its pass (which it makes wide) where the
+    target packs rows, in a pass of its own where it pads them."""
+    if scheduler.target.packs_rows:
+        return (seconds - PER_ROW - 2 * PER_WIDE_ROW) / PER_TOKEN
+    return (seconds - FIXED - PER_ROW - PER_WIDE_ROW) / PER_TOKEN
 
 
 def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
@@ -213,8 +226,7 @@ def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
     assert scheduler._chunk_budget() == 256  # nothing timed yet
     seed_pass_cost(scheduler)
     scheduler._round_s = 0.0425
-    fixed = 0.0 if scheduler.target.packs_rows else 0.013
-    fitting = (0.0425 - fixed - 0.002) / 0.0014  # 28 or 19 tokens (the fit may round one below)
+    fitting = chunk_fitting(scheduler, 0.0425)  # 27 or 18 tokens (the fit may round one below)
     assert int(fitting) - 1 <= scheduler._chunk_budget() <= int(fitting)
     scheduler._round_s = 0.5
     assert scheduler._chunk_budget() == 256
@@ -266,9 +278,9 @@ def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(make_decoder) -
     def spy() -> int:
         budget = measure()
         waiting = len(scheduler._waiting) + sum(not r.decoding for r in scheduler._active.values())
-        alone = not scheduler.target.packs_rows
-        one_round = scheduler._pass_cost.longest_chunk(0, scheduler._round_s, alone)
-        three_rounds = scheduler._pass_cost.longest_chunk(0, 3 * scheduler._round_s, alone)
+        beside = max(sum(r.decoding for r in scheduler._active.values()), 1) if scheduler.target.packs_rows else 0
+        one_round = scheduler._pass_cost.longest_chunk(0, scheduler._round_s, beside)
+        three_rounds = scheduler._pass_cost.longest_chunk(0, 3 * scheduler._round_s, beside)
         budgets.append((waiting, budget, one_round, three_rounds))
         return budget
 
@@ -290,8 +302,7 @@ def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(
     scheduler = make_decoder(prefill_chunk=256, prefill_chunk_rounds=2.0).scheduler
     seed_pass_cost(scheduler)
     scheduler._round_s = 0.0425
-    fixed = 0.0 if scheduler.target.packs_rows else 0.013
-    fitting = (2 * 0.0425 - fixed - 0.002) / 0.0014  # 59 or 50 tokens (the fit may round one below)
+    fitting = chunk_fitting(scheduler, 2 * 0.0425)  # 57 or 49 tokens (the fit may round one below)
     assert int(fitting) - 1 <= scheduler._chunk_budget() <= int(fitting)
     decoder = make_decoder(prefill_chunk=40, prefill_chunk_rounds=None)
     decoder.scheduler.events = events = []
