@@ -10,11 +10,10 @@ where ``tokens`` is what the engine computes (sum of w_r where it packs the rows
 it pads them) and ``attended`` sums, over the computed tokens, the positions each attends to (w_r * (cached_r
 + w_r) a row, at the computed width). Verify passes, prefill chunks and passes holding both fit one model: a
 token costs the same matrix products whichever it is. ONNX Runtime's attention takes a slower path for every
-row of a pass where some row takes several new tokens (a pass of 8 rows after 450 tokens: 32 ms with one
-token a row, 45 ms when one of them takes two), hence the wide-row term. The attention term is what makes a chunk late in a long
-prompt slower than the same chunk early on (on SmolLM2-135M on two CPU cores, a 48-token chunk takes 60%
-longer after 1,450 cached tokens than after 50): a cost fitted on tokens alone underestimates those chunks,
-and the running streams wait longer than their bound.
+row of a pass where some row takes several new tokens, hence the wide-row term. The attention term is what
+makes a chunk late in a long prompt slower than the same chunk early on: a cost fitted on tokens alone
+underestimates those chunks, and the running streams wait longer than their bound (docs/MEASUREMENTS.md has
+the figures).
 """
 
 from __future__ import annotations

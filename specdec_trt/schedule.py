@@ -1,24 +1,25 @@
 """Acceptance-driven draft length ("auto" gamma): which rows draft in a round, and how far, for the most tokens/s.
 
-A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + a_n + b_n x (drafting over
-those j rows, then verifying the pass of n rows; every line fitted by decayed least squares per number of rows)
-where some row of the pass drafts (x > 0), and a pass of one token a row costs its own decayed mean: ONNX
-Runtime's attention takes a slower path for several new tokens a row, so the first draft in a pass of 8
-rows costs about as much as the next eight (measured in docs/MEASUREMENTS.md), and a line through plain and
-drafting passes would make one draft look cheap and many dear.
+A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + verify_n(x): drafting over
+those j rows, then verifying the pass of n rows, every line fitted by decayed least squares per number of rows.
 x is the pass's drafts per row as the engine computes them: where it pads every row to the widest, x =
 max(g, w), w being what the other rows of the pass draft anyway; where it packs the rows' tokens (ONNX
-Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting costs only its own tokens. A
-round yields the pass's tokens:
-the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ... p_g if it drafts and 1 if not,
-where p_i is the row's acceptance of its i-th draft given the ones before it were accepted (acceptance is
-bursty, so later drafts pass more often than the first). The evidence decays per drafted token, so the
-estimates follow the text. The plan maximises the pass's tokens / time over g and over j, the rows expected to
-gain most drafting; g = 0 is a plain step. Where plain steps win, a round drafts anyway now and then (a probe)
-so acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the best probe is
-predicted to lose much, so that probes cost about ``PROBE_COST`` of the time at most (under load a pass of 8
-rows with one draft in it costs a third more than without, and a probe every fourth round cost a tenth). Counting the whole pass matters under load: a plain round of a full batch yields a token
-per row, and a draft that pays beside one row's token rarely pays beside eight.
+Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting pays only for its own tokens.
+verify_n(x) = a_n + b_n x where some row drafts (x > 0); a pass of one token a row costs its own decayed mean,
+because ONNX Runtime's attention takes a slower path for several new tokens a row: the first draft in a pass
+of many rows costs about as much as the next several (docs/MEASUREMENTS.md), and one line through plain and
+drafting passes would make one draft look cheap and many dear.
+
+A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... +
+p_1 ... p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones
+before it were accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence
+decays per drafted token, so the estimates follow the text. The plan maximises the pass's tokens / time over g
+and over j, the rows expected to gain most drafting; g = 0 is a plain step. Counting the whole pass matters
+under load: a plain round of a full batch yields a token per row, and a draft that pays beside one row's
+token rarely pays beside eight. Where plain steps win, a round drafts anyway now and then (a probe) so
+acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the best probe is predicted
+to lose much (one draft beside many plain rows makes the whole pass dearer), so that probes cost about
+``PROBE_COST`` of the time.
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
 the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
@@ -148,10 +149,10 @@ def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
 class PassContext:
     """The verify pass a kind of draft plans its rows into: ``rows`` in the pass, and what the pass's other
     rows bring to the round whatever these rows draft: their expected ``tokens`` and the ``width`` of their
-    drafts (the pass is as wide as its widest row; ``drafts`` in all, ``packed``: the engine computes only real
-    tokens, so the pass costs its drafts, not rows x its widest). ``fixed_s``: seconds the round costs beyond its draft and
-    verify passes whatever is drafted (the fixed cost of the prefill chunk that follows each round while a
-    prompt is being prefilled): a round that yields more tokens spreads it thinner."""
+    drafts (the pass is as wide as its widest row; ``drafts`` in all, ``packed``: the engine computes only
+    real tokens, so the pass costs its drafts, not rows x its widest). ``fixed_s``: seconds the round costs
+    beyond its draft and verify passes whatever is drafted (the fixed cost of the prefill chunk that follows
+    each round while a prompt is being prefilled): a round that yields more tokens spreads it thinner."""
 
     rows: int
     tokens: float = 0.0

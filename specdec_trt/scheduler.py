@@ -483,8 +483,9 @@ class Scheduler:
         """A chunk in a pass of its own."""
         sizes = [len(c) for c in chunks]
         cached = [r.prefilled for r in rows]
+        block = torch.tensor(pad_right(chunks))
         start = time.perf_counter()
-        logits = self.target.step([r.slot for r in rows], torch.tensor(pad_right(chunks)), sizes, [n - 1 for n in sizes])
+        logits = self.target.step([r.slot for r in rows], block, sizes, [n - 1 for n in sizes])
         self._pass_cost.add(cached, sizes, time.perf_counter() - start)
         self._prefilled(rows, chunks, logits[:, 0])
 

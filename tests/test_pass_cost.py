@@ -76,7 +76,8 @@ def test_a_coefficient_the_data_would_make_negative_is_dropped() -> None:
     for cached, width, seconds in [(0, 16, 0.032), (1000, 16, 0.031), (0, 64, 0.09), (1000, 64, 0.089)]:
         cost.add([cached], [width], seconds)
     fixed, per_row, per_wide_row, per_token, per_attended = cost.coefficients()
-    assert per_attended == 0.0 and fixed + per_row + per_wide_row > 0 and per_token == pytest.approx((0.0895 - 0.0315) / 48, rel=1e-6)
+    assert per_attended == 0.0 and fixed + per_row + per_wide_row > 0
+    assert per_token == pytest.approx((0.0895 - 0.0315) / 48, rel=1e-6)
 
 
 def test_a_single_pass_predicts_itself_and_no_time_fits_no_token() -> None:
