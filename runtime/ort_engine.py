@@ -5,8 +5,8 @@ graph's past input and its present output, so GroupQueryAttention writes only th
 step binds a view of the rows it runs over (the leading rows of a buffer are one contiguous block), so it
 costs what those rows cost; rolling back only changes the lengths that become ``seqlens_k``. Every row's
 count of new tokens goes in as ``query_seqlens``, so one pass takes any number of new tokens per row; the
-tokens go in packed (see ``build_engines.onnx_export``), so a pass computes its real tokens and no padding.
-The bindings of the cache views are kept per row range; a step binds only its five small inputs and a fresh
+tokens go in packed (see ``build_engines.onnx_export``), so its matrix products compute no padding.
+The bindings of the cache views are kept per row range; a step binds only its seven small inputs and a fresh
 logits array, so the Python work around a run stays small beside the run itself.
 """
 
