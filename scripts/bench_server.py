@@ -4,8 +4,8 @@ One ``specdec-serve`` on the default engines (lookup-first with the int4 self-dr
 compared (plain k=0, fixed k, auto: each request names its own through ``"speculative"``). Beside it run
 ``llama_cpp.server`` on an F32 GGUF of the same model written with the ``gguf`` package, plain and with its
 prompt-lookup draft (the ``peers`` extra; skipped, saying so, where it is not installed). Each server gets the
-same threads, and only one is loaded at a time: at every load the methods take turns, so drifting machine
-load hits them alike.
+same threads, and only one is loaded at a time: at every load the methods take turns, ``--repeats`` times, so
+drifting machine load hits them alike, and each method's repeat with the median tokens/s is reported.
 
 Loads: closed-loop clients at each concurrency, and Poisson arrivals at each rate. Requests are the bench
 suites' code, chat and summarisation prompts (rendered with the chat template where they are chats), greedy,
@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
-from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, open_loop
+from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, median_run, open_loop
 from specdec_trt.bench.openai_client import stream_completion
 from specdec_trt.bench.servers import (
     free_port,
@@ -92,6 +92,7 @@ def draft_length(text: str) -> int | str:
 @click.option("--rates", default="0.5,1,2", help="Poisson arrival rates in requests/s, comma-separated.")
 @click.option("--draft-lengths", default="0,2,4,auto", help="specdec-serve's draft lengths (0: plain).")
 @click.option("--requests", default=12, help="Requests per method at each load.")
+@click.option("--repeats", default=2, help="Turns of every method at each load; the median tokens/s is reported.")
 @click.option("--max-tokens", default=64, help="Tokens each request generates.")
 @click.option("--lookup-tokens", default=10, help="llama_cpp.server's prompt-lookup draft length.")
 @click.option("--threads", default=os.cpu_count() or 1, help="CPU threads of each server.")
@@ -106,6 +107,7 @@ def main(
     rates: str,
     draft_lengths: str,
     requests: int,
+    repeats: int,
     max_tokens: int,
     lookup_tokens: int,
     threads: int,
@@ -164,16 +166,18 @@ def main(
         results = []
         for turn, (kind, level) in enumerate(loads):
             batch = [prompts[(turn * requests + i) % len(prompts)] for i in range(requests)]
-            order = methods[turn % len(methods) :] + methods[: turn % len(methods)]
-            row = {"load": kind, "level": level, "methods": {}}
-            for method in order:
-                with console.status(f"{kind} {level}: {method.name}…"):
-                    send = sender(method)
-                    if kind == "concurrency":
-                        timings, wall = closed_loop(send, batch, level)
-                    else:
-                        timings, wall = open_loop(send, batch, level, seed=turn)
-                row["methods"][method.name] = load_summary(timings, wall)
+            runs: dict[str, list[dict]] = {method.name: [] for method in methods}
+            for repeat in range(repeats):
+                start = (turn + repeat) % len(methods)
+                for method in methods[start:] + methods[:start]:
+                    with console.status(f"{kind} {level}: {method.name} ({repeat + 1}/{repeats})…"):
+                        send = sender(method)
+                        if kind == "concurrency":
+                            timings, wall = closed_loop(send, batch, level)
+                        else:
+                            timings, wall = open_loop(send, batch, level, seed=turn)
+                    runs[method.name].append(load_summary(timings, wall))
+            row = {"load": kind, "level": level, "methods": {name: median_run(r) for name, r in runs.items()}}
             results.append(row)
             console.print(table(row, [m.name for m in methods]))
     data = {
@@ -181,6 +185,7 @@ def main(
         "environment": environment("cpu", threads),
         "settings": {
             "requests": requests,
+            "repeats": repeats,
             "max_tokens": max_tokens,
             "threads": threads,
             "max_batch_size": max_batch_size,
@@ -206,7 +211,7 @@ def table(row: dict, names: list[str]) -> Table:
         m = row["methods"][name]
         out.add_row(
             name,
-            f"{m['tokens_per_s']:.1f}",
+            f"{m['tokens_per_s_median']:.1f}",
             *(f"{m[key]['p50_ms']:.0f} / {m[key]['p99_ms']:.0f}" for key in ("ttft", "itl", "e2e")),
         )
     return out
@@ -217,7 +222,7 @@ def summary(results: list[dict], names: list[str]) -> dict:
     ours_fixed = [n for n in names if n.startswith(OURS) and not n.endswith("auto")]
     rows = []
     for row in results:
-        rate = {name: row["methods"][name]["tokens_per_s"] for name in names}
+        rate = {name: row["methods"][name]["tokens_per_s_median"] for name in names}
         entry = {"load": row["load"], "level": row["level"]}
         if f"{OURS} k=auto" in rate and ours_fixed:
             best = max(ours_fixed, key=rate.get)
@@ -242,7 +247,7 @@ def draw(results: list[dict], names: list[str], path: Path) -> None:
         rows = [r for r in results if r["load"] == kind]
         levels = [r["level"] for r in rows]
         for name in names:
-            axes[0][column].plot(levels, [r["methods"][name]["tokens_per_s"] for r in rows], marker="o", label=name)
+            axes[0][column].plot(levels, [r["methods"][name]["tokens_per_s_median"] for r in rows], marker="o", label=name)
             p99 = [r["methods"][name]["e2e"]["p99_ms"] / 1e3 for r in rows]
             axes[1][column].plot(levels, p99, marker="o", label=name)
         label = "closed-loop clients" if kind == "concurrency" else "Poisson arrivals (requests/s)"

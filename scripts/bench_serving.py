@@ -15,7 +15,6 @@ number of rows. Everything is printed and written as JSON.
 from __future__ import annotations
 
 import json
-import statistics
 import threading
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from rich.table import Table
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.environment import environment
-from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, percentiles, timed
+from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, median_run, percentiles, timed
 from specdec_trt.bench.suites import load_suite
 from specdec_trt.bench.timing import step_seconds
 from specdec_trt.cli_options import default_engines
@@ -91,9 +90,9 @@ def main(
                     runs[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, level)))
                     if level == 4:  # the same requests, one after another, as a decoder without batching serves them
                         serial[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, 1)))
-            row = {"temperature": temperature, "concurrency": level, "methods": best_of(runs)}
+            row = {"temperature": temperature, "concurrency": level, "methods": {k: median_run(r) for k, r in runs.items()}}
             if level == 4:
-                row["serial"] = best_of(serial)
+                row["serial"] = {k: median_run(r) for k, r in serial.items()}
             data["load"].append(row)
             write(out, data)
     data["long_prompt"] = long_prompt_interference(decoder, prompts, max_new_tokens)
@@ -135,16 +134,6 @@ def sender(decoder: SpeculativeDecoder, k):
         return timing
 
     return send
-
-
-def best_of(runs: dict) -> dict:
-    """Per method, the repeat with the median tokens/s (all repeats kept under "repeats")."""
-    summary = {}
-    for k, repeats in runs.items():
-        rates = [r["tokens_per_s"] for r in repeats]
-        median = sorted(repeats, key=lambda r: r["tokens_per_s"])[len(repeats) // 2]
-        summary[k] = {**median, "tokens_per_s_median": statistics.median(rates), "repeats": repeats}
-    return summary
 
 
 def long_prompt_interference(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int) -> dict:

@@ -15,7 +15,7 @@ import pytest
 from serving import serve
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.load import RequestTiming, open_loop
+from specdec_trt.bench.load import RequestTiming, load_summary, median_run, open_loop
 from specdec_trt.bench.openai_client import ServerResponseError, stream_completion
 from specdec_trt.bench.servers import ServerStartError, free_port, running
 
@@ -49,6 +49,19 @@ def test_open_loop_reports_a_failed_send() -> None:
 
     with pytest.raises(RuntimeError, match="failed"):
         open_loop(send, [0, 1], 100.0)
+
+
+def test_median_run_reports_the_repeat_with_the_median_tokens_per_second() -> None:
+    def repeat(tokens: int, wall: float) -> dict:
+        timing = RequestTiming(sent=0.0, arrivals=[0.1, wall], tokens=tokens)
+        return load_summary([timing], wall)
+
+    repeats = [repeat(100, 1.0), repeat(100, 4.0), repeat(100, 2.0)]  # 100, 25 and 50 tokens/s
+    median = median_run(repeats)
+    assert median["tokens_per_s_median"] == 50.0
+    assert median["wall_s"] == 2.0 and median["e2e"] == repeats[2]["e2e"]
+    assert median["repeats"] == repeats
+    assert median_run(repeats[:2])["tokens_per_s_median"] == 62.5  # an even count: the mean of the middle two
 
 
 @pytest.fixture(scope="module")

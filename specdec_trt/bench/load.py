@@ -10,6 +10,7 @@ successive pieces, as vLLM's serving benchmark counts it) and end-to-end latency
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -140,3 +141,12 @@ def load_summary(timings: Sequence[RequestTiming], wall: float) -> dict:
         "itl": percentiles([gap for t in done for gap in t.gaps]),
         "e2e": percentiles([t.latency for t in done]),
     }
+
+
+def median_run(repeats: Sequence[dict]) -> dict:
+    """Of one method's ``load_summary`` repeats, the one with the median tokens/s (of an even count, the upper
+    middle one), with the median itself under "tokens_per_s_median" and every repeat under "repeats": one
+    figure per method that a noisy repeat cannot move alone."""
+    median = sorted(repeats, key=lambda r: r["tokens_per_s"])[len(repeats) // 2]
+    rates = [r["tokens_per_s"] for r in repeats]
+    return {**median, "tokens_per_s_median": statistics.median(rates), "repeats": list(repeats)}
