@@ -19,7 +19,7 @@ under load: a plain round of a full batch yields a token per row, and a draft th
 token rarely pays beside eight. Where plain steps win, a round drafts anyway now and then (a probe) so
 acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the best probe is predicted
 to lose much (one draft beside many plain rows makes the whole pass dearer), so that probes cost about
-``PROBE_COST`` of the time.
+``PROBE_COST`` of the time; a probe drafts no further than planned, and each kind of draft probes on its own.
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
 the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
@@ -243,7 +243,8 @@ class DraftLengthController:
     def plan(self, rows: Sequence[AcceptanceEvidence], remaining: int, context: PassContext | None = None) -> list[int]:
         """The draft length of each row in the next round, at most: the rows expected to gain most draft
         alike and the others none (a draft that reports its confidence is asked for up to the limit whenever
-        drafting pays, and ``stop_rule`` ends the round). ``remaining``: drafts that can still be used (tokens
+        drafting pays, and ``stop_rule`` ends the round; a probe drafts the length planned for it, so that it
+        costs what it was predicted to). ``remaining``: drafts that can still be used (tokens
         still needed by the longest row, less the target's own token). ``context``: the pass these rows join
         (default: just these rows)."""
         limit = min(self.max_draft, remaining)
@@ -254,12 +255,13 @@ class DraftLengthController:
         else:
             tokens = self.row_tokens(rows)
             rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
-            low = 1 if self.plain_streak >= self.probe_interval(rates) - 1 else 0
-            rates = rates[low:, low:]
-            j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(rates)), rates.shape))
+            probe = self.plain_streak >= self.probe_interval(rates) - 1 and rates[0, 0] >= rates.max()
+            low = int(probe)
+            options = rates[low:, low:]
+            j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(options)), options.shape))
             order = np.argsort(-tokens[:, gamma], kind="stable")
             drafting = set(order[:j].tolist()) if gamma else set()
-            gamma = limit if gamma and self.reports_confidence else gamma
+            gamma = limit if gamma and self.reports_confidence and not probe else gamma
             lengths = [gamma if r in drafting else 0 for r in range(len(rows))]
         self.plain_streak = 0 if any(lengths) else self.plain_streak + 1
         return lengths
@@ -279,13 +281,13 @@ class DraftLengthController:
         exempt: Sequence[int] = (),
     ) -> CostAwareStop:
         """The rule that ends the next round of the drafting rows in ``slots`` (with evidence ``rows``, in the
-        pass ``context``) once another draft token is worth less than it costs (never before a round was
-        timed); a row of an ``exempt`` slot (one that drafts a fixed number) keeps the round going while it
+        pass ``context``) once another draft token is worth less than it costs, its time counted in tokens at
+        the best rate predicted for the pass, plain included (never before a round was timed); a row of an ``exempt`` slot (one that drafts a fixed number) keeps the round going while it
         drafts."""
         context = context or PassContext(len(rows))
         _, c = self.costs.draft_cost(len(rows))
         _, b = self.costs.verify_cost(context.rows)
-        rate = float(self.rates(rows, context)[-1].max()) if self.rounds else 0.0
+        rate = float(self.rates(rows, context).max()) if self.rounds else 0.0  # a second's worth, in tokens
         # one more draft widens a padded pass by a token per row; a packed one by a token per drafting row
         verify_share = 1.0 / context.rows if context.packed else None
         pooled = dict(zip(slots, self.acceptance(rows)))

@@ -446,6 +446,26 @@ def test_a_draft_reporting_confidence_is_asked_for_the_limit_and_prompt_lookup_f
     assert [0] in [hopeless.plan(hopeless_row, 100) for _ in range(PROBE_EVERY)]
 
 
+def test_a_probe_drafts_what_was_planned_for_it_and_its_stop_rule_prices_time_at_the_plain_rate() -> None:
+    """A draft that reports its confidence is asked for the limit only where drafting pays: a probe (a round
+    that drafts although plain rounds win) drafts the length planned for it, and its stop rule counts a
+    second at the plain rate, the best there is, so it stops sooner than one priced at the probe's own rate."""
+    controller = DraftLengthController(MAX)
+    row = evidence(controller)
+    for _ in range(3):
+        controller.observe(2, [0], row, 0.16, 0.1 + 0.01 * 2, np.array([[0.9, 0.9]]))
+        controller.observe(0, [0], row, None, 0.1)
+    controller.observe(4, [0], row, 0.32, 0.1 + 0.01 * 4, np.array([[0.9] * 4]))
+    rates = controller.rates(row)
+    assert rates[0, 0] == rates.max()  # drafting does not pay
+    plans = [controller.plan(row, 100) for _ in range(controller.probe_interval(rates))]
+    probes = [p for p in plans if p != [0]]
+    assert len(probes) == 1 and probes[0] == [1 + int(np.argmax(rates[1, 1:]))] and probes[0][0] < MAX, plans
+    (_, c), (_, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
+    rule = controller.stop_rule([0], row)
+    assert rule.threshold == pytest.approx(rates[0, 0] * (c + b)) and rates[0, 0] > rates[1, 1:].max()
+
+
 def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
     """The rule's threshold is the predicted best rate times the per-token cost c + b; after each draft
     token every row's chance of a fully accepted draft is multiplied by its bin's calibrated acceptance, and
@@ -459,7 +479,7 @@ def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
     slots, both = [0, 1], np.array([True, True])
     rule = controller.stop_rule(slots, rows)
     (_, c), (_, b) = controller.costs.draft_cost(2), controller.costs.verify_cost(2)
-    assert rule.threshold == pytest.approx(controller.rates(rows)[-1].max() * (c + b))
+    assert rule.threshold == pytest.approx(controller.rates(rows).max() * (c + b))
     calibrated, pooled = controller.calibrated_acceptance(), controller.acceptance(rows)
     confident, unconfident = calibrated[-1], calibrated[0]
     assert confident > 0.9 > 0.5 > unconfident  # the 0.99 drafts were always accepted, the 0.1 ones never
