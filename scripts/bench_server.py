@@ -247,7 +247,8 @@ def draw(results: list[dict], names: list[str], path: Path) -> None:
         rows = [r for r in results if r["load"] == kind]
         levels = [r["level"] for r in rows]
         for name in names:
-            axes[0][column].plot(levels, [r["methods"][name]["tokens_per_s_median"] for r in rows], marker="o", label=name)
+            rates = [r["methods"][name]["tokens_per_s_median"] for r in rows]
+            axes[0][column].plot(levels, rates, marker="o", label=name)
             p99 = [r["methods"][name]["e2e"]["p99_ms"] / 1e3 for r in rows]
             axes[1][column].plot(levels, p99, marker="o", label=name)
         label = "closed-loop clients" if kind == "concurrency" else "Poisson arrivals (requests/s)"

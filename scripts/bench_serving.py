@@ -90,7 +90,8 @@ def main(
                     runs[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, level)))
                     if level == 4:  # the same requests, one after another, as a decoder without batching serves them
                         serial[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, 1)))
-            row = {"temperature": temperature, "concurrency": level, "methods": {k: median_run(r) for k, r in runs.items()}}
+            medians = {k: median_run(r) for k, r in runs.items()}
+            row = {"temperature": temperature, "concurrency": level, "methods": medians}
             if level == 4:
                 row["serial"] = {k: median_run(r) for k, r in serial.items()}
             data["load"].append(row)

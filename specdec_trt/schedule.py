@@ -244,9 +244,9 @@ class DraftLengthController:
         """The draft length of each row in the next round, at most: the rows expected to gain most draft
         alike and the others none (a draft that reports its confidence is asked for up to the limit whenever
         drafting pays, and ``stop_rule`` ends the round; a probe drafts the length planned for it, so that it
-        costs what it was predicted to). ``remaining``: drafts that can still be used (tokens
-        still needed by the longest row, less the target's own token). ``context``: the pass these rows join
-        (default: just these rows)."""
+        costs what it was predicted to). ``remaining``: drafts that can still be used (tokens still needed by
+        the longest row, less the target's own token). ``context``: the pass these rows join (default: just
+        these rows)."""
         limit = min(self.max_draft, remaining)
         if limit <= 0 or not rows:
             return [0] * len(rows)
@@ -282,8 +282,8 @@ class DraftLengthController:
     ) -> CostAwareStop:
         """The rule that ends the next round of the drafting rows in ``slots`` (with evidence ``rows``, in the
         pass ``context``) once another draft token is worth less than it costs, its time counted in tokens at
-        the best rate predicted for the pass, plain included (never before a round was timed); a row of an ``exempt`` slot (one that drafts a fixed number) keeps the round going while it
-        drafts."""
+        the best rate predicted for the pass, plain included (never before a round was timed); a row of an
+        ``exempt`` slot (one that drafts a fixed number) keeps the round going while it drafts."""
         context = context or PassContext(len(rows))
         _, c = self.costs.draft_cost(len(rows))
         _, b = self.costs.verify_cost(context.rows)
