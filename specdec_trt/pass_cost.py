@@ -56,8 +56,7 @@ class PassCost:
 
     def coefficients(self) -> np.ndarray:
         """[fixed, per_row, per_wide_row, per_token, per_attended] in seconds; zeros before any observation.
-        Solved once per
-        observation: the scheduler asks every step and every auto round."""
+        Solved once per observation: the scheduler asks every step and every auto round."""
         if self._solved is None:
             self._solved = self._solve()
         return self._solved.copy()

@@ -255,7 +255,7 @@ class DraftLengthController:
         else:
             tokens = self.row_tokens(rows)
             rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
-            probe = self.plain_streak >= self.probe_interval(rates) - 1 and rates[0, 0] >= rates.max()
+            probe = rates[0, 0] >= rates.max() and self.plain_streak >= self.probe_interval(rates) - 1
             low = int(probe)
             options = rates[low:, low:]
             j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(options)), options.shape))
