@@ -398,10 +398,10 @@ def test_int4_quantized_pruned_draft(checkpoints: Checkpoints, tmp_path: Path) -
     decoder.drafter.engine.release(0)  # the decoder's scheduler admits its requests into the engine's slots
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     plain = decoder.generate("abcabc hello", params, num_draft_tokens=0)
-    for gamma in (3, "auto"):
-        speculative = decoder.generate("abcabc hello", params, num_draft_tokens=gamma)
-        assert speculative.token_ids == plain.token_ids
-        assert speculative.stats.accepted_tokens > 0
+    fixed = decoder.generate("abcabc hello", params, num_draft_tokens=3)
+    assert fixed.token_ids == plain.token_ids and fixed.stats.accepted_tokens > 0
+    # auto drafts only when its measured costs say so, so how much it drafts here depends on timing
+    assert decoder.generate("abcabc hello", params, num_draft_tokens="auto").token_ids == plain.token_ids
 
 
 def test_two_builds_in_one_process(checkpoints: Checkpoints, tmp_path: Path) -> None:
