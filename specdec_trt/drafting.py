@@ -24,7 +24,6 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
@@ -333,14 +332,22 @@ class PromptLookupDrafter:
 
     def match(self, sequence: np.ndarray, num_tokens: int) -> tuple[int, np.ndarray]:
         """The longest suffix (``max_ngram`` down to ``min_ngram`` tokens) that occurred earlier, and up to
-        ``num_tokens`` tokens that followed its latest occurrence; (0, empty) if there is none."""
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(sequence) <= n or num_tokens == 0:
-                continue
-            windows = sliding_window_view(sequence[:-1], n)
-            matches = np.flatnonzero((windows == sequence[-n:]).all(axis=1))
-            if len(matches):
-                start = matches[-1] + n
+        ``num_tokens`` tokens that followed its latest occurrence; (0, empty) if there is none. Runs on every
+        row every round: one pass over the sequence finds where its last token occurred before, and only
+        those places are extended backwards."""
+        if num_tokens == 0 or len(sequence) <= self.min_ngram:
+            return 0, sequence[:0]
+        earlier = sequence[:-1]
+        ends = np.flatnonzero(earlier == sequence[-1])  # where an earlier occurrence of a suffix would end
+        longest = min(self.max_ngram, len(sequence) - 1)
+        matched = [ends]  # matched[j]: the ends where the suffix's last j + 1 tokens occurred
+        for j in range(1, longest):
+            ends = ends[ends >= j]
+            ends = ends[earlier[ends - j] == sequence[-1 - j]]
+            matched.append(ends)
+        for n in range(longest, self.min_ngram - 1, -1):
+            if len(matched[n - 1]):
+                start = int(matched[n - 1][-1]) + 1
                 return n, sequence[start : start + num_tokens]
         return 0, sequence[:0]
 

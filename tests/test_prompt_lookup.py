@@ -50,6 +50,31 @@ def test_the_match_length_comes_with_the_tokens() -> None:
     assert drafter.match(np.asarray([1, 2, 3]), 2)[0] == 0
 
 
+def test_the_match_is_the_longest_earlier_suffix_at_its_latest_occurrence() -> None:
+    """Against the definition, written out by brute force, on random short sequences over small vocabularies
+    (many repeats) and every n-gram range: the longest suffix of max_ngram down to min_ngram tokens that
+    occurred earlier (not as the suffix itself), and the tokens after its latest occurrence."""
+
+    def expected(sequence: list[int], max_ngram: int, min_ngram: int, num_tokens: int) -> tuple[int, list[int]]:
+        for n in range(max_ngram, min_ngram - 1, -1):
+            starts = [i for i in range(len(sequence) - n) if sequence[i : i + n] == sequence[-n:]] if num_tokens else []
+            if len(sequence) > n and starts:
+                return n, sequence[starts[-1] + n :][:num_tokens]
+        return 0, []
+
+    rng = np.random.default_rng(0)
+    found = 0
+    for _ in range(3000):
+        min_ngram = int(rng.integers(1, 4))
+        max_ngram = int(rng.integers(min_ngram, 6))
+        sequence = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(0, 25))).tolist()
+        num_tokens = int(rng.integers(0, 5))
+        length, tokens = PromptLookupDrafter(max_ngram, min_ngram).match(np.asarray(sequence), num_tokens)
+        assert (length, tokens.tolist()) == expected(sequence, max_ngram, min_ngram, num_tokens), sequence
+        found += length > 0
+    assert 1000 < found < 2900  # both outcomes are well exercised
+
+
 def test_confidence_grows_with_the_repeat_a_token_continues() -> None:
     np.testing.assert_allclose(lookup_confidence(1, 3), [1 / 2, 2 / 3, 3 / 4])
     np.testing.assert_allclose(lookup_confidence(4, 2), [4 / 5, 5 / 6])
