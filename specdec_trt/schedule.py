@@ -8,8 +8,7 @@ Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting p
 verify_n(x) = a_n + b_n x where some row drafts (x > 0); a pass of one token a row costs its own decayed mean,
 because ONNX Runtime's attention takes a slower path for several new tokens a row: the first draft in a pass
 of many rows costs about as much as the next several (docs/MEASUREMENTS.md), and one line through plain and
-drafting passes would make one draft look cheap and many dear. A pass that a prefill chunk rides in takes
-that path anyway (the chunk pays for it), so there drafts cost only their tokens: verify_n(x) = plain_n + b_n x.
+drafting passes would make one draft look cheap and many dear.
 
 A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... +
 p_1 ... p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones
@@ -153,9 +152,7 @@ class PassContext:
     drafts (the pass is as wide as its widest row; ``drafts`` in all, ``packed``: the engine computes only
     real tokens, so the pass costs its drafts, not rows x its widest). ``fixed_s``: seconds the round costs
     beyond its draft and verify passes whatever is drafted (the fixed cost of the prefill chunk that follows
-    each round while a prompt is being prefilled): a round that yields more tokens spreads it thinner.
-    ``wide``: a prefill chunk rides in the pass, so it takes the slower path for several tokens a row whether
-    or not these rows draft."""
+    each round while a prompt is being prefilled): a round that yields more tokens spreads it thinner."""
 
     rows: int
     tokens: float = 0.0
@@ -163,7 +160,6 @@ class PassContext:
     fixed_s: float = 0.0
     drafts: int = 0  # the other rows' drafts in all
     packed: bool = False  # whether the engine computes the rows' tokens packed (True) or padded to the widest
-    wide: bool = False
 
     def drafts_per_row(self, drafting_rows: int, g: np.ndarray | int) -> np.ndarray:
         """x: the verify pass's drafts per row, as computed, when ``drafting_rows`` more rows draft ``g``."""
@@ -228,8 +224,7 @@ class DraftLengthController:
         (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(context.rows)
         g = np.arange(self.max_draft + 1)
         x = context.drafts_per_row(rows, g)
-        plain = self.costs.plain_cost(context.rows)
-        verify = plain + b * x if context.wide else np.where(x > 0, a + b * x, plain)
+        verify = np.where(x > 0, a + b * x, self.costs.plain_cost(context.rows))
         return (g > 0) * (d + c * g) + verify
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:

@@ -523,7 +523,7 @@ class Scheduler:
         limits = [0 if r.num_draft_tokens == AUTO else min(r.num_draft_tokens, r.remaining - 1, room) for r in rows]
         auto = [i for i, r in enumerate(rows) if r.num_draft_tokens == AUTO]
         parts = dict(zip(auto, self.drafter.parts([sequences[i] for i in auto]))) if auto else {}
-        stop_rules = self._plan_auto(rows, auto, parts, limits, room, chunk is not None) if auto else {}
+        stop_rules = self._plan_auto(rows, auto, parts, limits, room) if auto else {}
         sampler = BatchSampler([r.params for r in rows], self.target.device, [r.generator for r in rows])
         riders = [] if chunk is None else [(r.slot, c) for r, c in zip(*chunk)]
         cached = [len(s) - 1 for s in sequences] + [r.prefilled for r in (chunk[0] if chunk else [])]
@@ -559,12 +559,11 @@ class Scheduler:
         return float(self._pass_cost.coefficients()[0]) if chunked and not self.target.packs_rows else 0.0
 
     def _plan_auto(
-        self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int, wide: bool
+        self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int
     ) -> dict[str, StopRule]:
         """Fill in ``limits`` for the auto rows, kind of draft by kind of draft, each planned into the pass as
         the others leave it: prompt lookup first (its drafts cost nearly nothing to make), then the model's
-        rows around the width lookup's take. ``wide``: a prefill chunk rides in the pass. The stop rules of
-        the kinds that draft."""
+        rows around the width lookup's take. The stop rules of the kinds that draft."""
         fixed_slots = [r.slot for r, k in zip(rows, limits) if k > 0]
         members = {part: [i for i in auto if parts[i] == part] for part in (LOOKUP, MODEL)}
         planned_tokens = float(len(rows) - len(auto))  # the other rows' own tokens, at least
@@ -577,7 +576,7 @@ class Scheduler:
             controller = self.controllers[part]
             evidence = [rows[i].evidence.setdefault(part, controller.evidence()) for i in indices]
             unplanned -= len(indices)  # the rows of kinds planned later count their own token
-            context = self._pass(limits, planned_tokens + unplanned, fixed_s, wide)
+            context = self._pass(limits, planned_tokens + unplanned, fixed_s)
             needed = max(rows[i].remaining - 1 for i in indices)
             lengths = controller.plan(evidence, min(needed, room), context)
             for i, length in zip(indices, lengths):
@@ -595,12 +594,10 @@ class Scheduler:
                     stop_rules[part] = rule
         return stop_rules
 
-    def _pass(
-        self, drafts: Sequence[int], tokens: float = 0.0, fixed_s: float = 0.0, wide: bool = False
-    ) -> PassContext:
+    def _pass(self, drafts: Sequence[int], tokens: float = 0.0, fixed_s: float = 0.0) -> PassContext:
         """The verify pass of rows drafting ``drafts``, as the target computes it (packed or padded)."""
         packed = self.target.packs_rows
-        return PassContext(len(drafts), tokens, max(drafts, default=0), fixed_s, sum(drafts), packed, wide)
+        return PassContext(len(drafts), tokens, max(drafts, default=0), fixed_s, sum(drafts), packed)
 
     def _stop_rule(
         self,

@@ -394,28 +394,6 @@ def test_a_pass_without_drafts_costs_its_own_mean() -> None:
     assert intercept > 0.032 + 0.005 and intercept + slope < 0.045 - 0.003
 
 
-def test_drafts_in_a_pass_a_prefill_chunk_rides_in_cost_only_their_tokens() -> None:
-    """A prefill chunk riding in the verify pass already makes it take the slower path for several tokens a
-    row, so drafting there costs the plain pass plus b x, not the drafting line's intercept: a row accepting
-    70% of its drafts beside 7 plain rows drafts in such a pass and not in the same pass without the chunk
-    (the control)."""
-    controller = DraftLengthController(MAX, decay=1.0)
-    rows = evidence(controller)
-    measured = {0: 0.032, 1: 0.045, 2: 0.047, 4: 0.050, 8: 0.059}  # a pass of 8 rows, by drafts per row
-    for x, seconds in measured.items():
-        controller.costs.add_verify(8, x, seconds)
-    for gamma in (1, 4):
-        controller.costs.add_draft(1, gamma, 0.0005 * gamma)
-    controller.observe(4, [3], rows, 0.002, 0.05, pass_rows=8, pass_width=0.5)
-    rows[0].passed[:], rows[0].reached[:] = 70.0, 100.0
-    (d, c), (_, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(8)
-    g = np.arange(MAX + 1)
-    wide = PassContext(8, tokens=7.0, packed=True, wide=True)
-    assert controller.round_time(1, wide) == pytest.approx((g > 0) * (d + c * g) + 0.032 + b * g / 8)
-    assert controller.plan(rows, 100, PassContext(8, tokens=7.0, packed=True)) == [0]
-    assert controller.plan(rows, 100, wide)[0] > 0
-
-
 def test_rounds_are_timed_at_the_pass_width_and_the_drafting_rows() -> None:
     """The verify pass is timed against its widest row's drafts, drafting against the rows that drafted; a
     round whose drafting seconds include other rows' drafting times only the pass."""
