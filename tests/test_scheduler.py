@@ -33,6 +33,7 @@ from specdec_trt.build import BuildRequest, build
 from specdec_trt.draft_spec import DraftSpec
 from specdec_trt.drafting import ModelDrafter
 from specdec_trt.loading import load_engines, open_engine_directory
+from specdec_trt.pass_cost import pass_features
 from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.sampling import BatchSampler
 from specdec_trt.scheduler import (
@@ -269,9 +270,16 @@ def test_chunks_ride_in_the_rounds_pass_where_the_target_packs_rows(make_decoder
 
 def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(make_decoder) -> None:
     """Three prompts arriving beside one decoding stream are prefilled in chunks of three rounds' time (each
-    chunk holds up one stream, each round three prompts); one prompt beside it, in chunks of one round."""
+    chunk holds up one stream, each round three prompts); one prompt beside it, in chunks of one round. The
+    passes are recorded at 0.1 ms a computed token: a tiny model's real passes can leave the fit no cost per
+    token (timer noise), and then no chunk length follows from a time."""
     decoder = make_decoder(prefill_chunk=256)
     scheduler = decoder.scheduler
+    cost = scheduler._pass_cost
+    record = cost.add
+    cost.add = lambda cached, widths, seconds: record(
+        cached, widths, 1e-4 * float(pass_features(cached, widths, cost.packed)[3])
+    )
     budgets = []
     measure = scheduler._chunk_budget
 
