@@ -338,18 +338,18 @@ class PromptLookupDrafter:
         if num_tokens == 0 or len(sequence) <= self.min_ngram:
             return 0, sequence[:0]
         earlier = sequence[:-1]
-        ends = np.flatnonzero(earlier == sequence[-1])  # where an earlier occurrence of a suffix would end
-        longest = min(self.max_ngram, len(sequence) - 1)
-        matched = [ends]  # matched[j]: the ends where the suffix's last j + 1 tokens occurred
-        for j in range(1, longest):
-            ends = ends[ends >= j]
-            ends = ends[earlier[ends - j] == sequence[-1 - j]]
-            matched.append(ends)
-        for n in range(longest, self.min_ngram - 1, -1):
-            if len(matched[n - 1]):
-                start = int(matched[n - 1][-1]) + 1
-                return n, sequence[start : start + num_tokens]
-        return 0, sequence[:0]
+        ends = np.flatnonzero(earlier == sequence[-1])  # where the suffix's last n tokens occurred before
+        n = 1 if len(ends) else 0
+        while 0 < n < min(self.max_ngram, len(earlier)):
+            longer = ends[ends >= n]
+            longer = longer[earlier[longer - n] == sequence[-1 - n]]
+            if not len(longer):
+                break
+            ends, n = longer, n + 1
+        if n < self.min_ngram:
+            return 0, sequence[:0]
+        start = int(ends[-1]) + 1
+        return n, sequence[start : start + num_tokens]
 
 
 class LookupFirstDrafter:
