@@ -8,7 +8,9 @@ Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting p
 verify_n(x) = a_n + b_n x where some row drafts (x > 0); a pass of one token a row costs its own decayed mean,
 because ONNX Runtime's attention takes a slower path for several new tokens a row: the first draft in a pass
 of many rows costs about as much as the next several (docs/MEASUREMENTS.md), and one line through plain and
-drafting passes would make one draft look cheap and many dear.
+drafting passes would make one draft look cheap and many dear. Passes that carry a prefill chunk have lines of
+their own, fitted on the pass's time less the chunk's predicted share: drafts cost more beside a chunk than
+elsewhere (docs/MEASUREMENTS.md); at a number of rows not yet timed with a chunk, the other passes' lines stand in.
 
 A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... +
 p_1 ... p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones
@@ -95,10 +97,11 @@ class CostLines:
     """Seconds of a round's drafting and verifying against its draft length, one pair of fitted lines per
     number of rows (a round over more rows costs more, and its cost grows faster with the draft length once
     the rows make the step compute-bound), and the decayed mean of a verify pass without drafts. A row count
-    without observations of its own takes the line of the nearest counts that have some, interpolated."""
+    without observations of its own takes the ``fallback``'s line there, or without one the line of the
+    nearest counts that have some, interpolated."""
 
-    def __init__(self, decay: float) -> None:
-        self.decay = decay
+    def __init__(self, decay: float, fallback: CostLines | None = None) -> None:
+        self.decay, self.fallback = decay, fallback
         self.drafting: dict[int, DecayedLine] = {}  # seconds against tokens drafted
         self.verifying: dict[int, DecayedLine] = {}  # seconds against drafts verified, passes with drafts
         self.plain: dict[int, DecayedLine] = {}  # seconds of passes without drafts (x = 0: their mean)
@@ -115,15 +118,21 @@ class CostLines:
 
     def draft_cost(self, rows: int) -> tuple[float, float]:
         """(d, c): drafting seconds per drafting round and per drafted token, at ``rows`` rows."""
+        if self.fallback is not None and rows not in self.drafting:
+            return self.fallback.draft_cost(rows)
         return _at(self.drafting, rows)
 
     def verify_cost(self, rows: int) -> tuple[float, float]:
         """(a, b) of the verify time a + b * x at ``rows`` rows, of a pass where some row drafts (x > 0)."""
+        if self.fallback is not None and rows not in self.verifying:
+            return self.fallback.verify_cost(rows)
         return _at(self.verifying, rows)
 
     def plain_cost(self, rows: int) -> float:
         """Seconds of a verify pass at ``rows`` rows where no row drafts; the drafting line's intercept while
         no such pass was timed."""
+        if self.fallback is not None and rows not in self.plain:
+            return self.fallback.plain_cost(rows)
         return _at(self.plain, rows)[0] if self.plain else self.verify_cost(rows)[0]
 
 
@@ -160,6 +169,7 @@ class PassContext:
     fixed_s: float = 0.0
     drafts: int = 0  # the other rows' drafts in all
     packed: bool = False  # whether the engine computes the rows' tokens packed (True) or padded to the widest
+    chunk: bool = False  # whether a prefill chunk rides in the pass (its own cost lines: ``chunk_costs``)
 
     def drafts_per_row(self, drafting_rows: int, g: np.ndarray | int) -> np.ndarray:
         """x: the verify pass's drafts per row, as computed, when ``drafting_rows`` more rows draft ``g``."""
@@ -187,8 +197,10 @@ class DraftLengthController:
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
         self.costs = CostLines(time_decay)
+        self.chunk_costs = CostLines(time_decay, fallback=self.costs)  # of passes that carry a prefill chunk
         self.rounds = 0
         self.plain_streak = 0
+        self.best_rate = 0.0  # the best tokens/s the last plan predicted for its pass (0 before a round was timed)
 
     def evidence(self) -> AcceptanceEvidence:
         """Fresh evidence for a new row."""
@@ -221,11 +233,16 @@ class DraftLengthController:
         """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in the pass ``context``
         (default: these rows alone)."""
         context = context or PassContext(rows)
-        (d, c), (a, b) = self.costs.draft_cost(rows), self.costs.verify_cost(context.rows)
+        costs = self.costs_of(context)
+        (d, c), (a, b) = costs.draft_cost(rows), costs.verify_cost(context.rows)
         g = np.arange(self.max_draft + 1)
         x = context.drafts_per_row(rows, g)
-        verify = np.where(x > 0, a + b * x, self.costs.plain_cost(context.rows))
+        verify = np.where(x > 0, a + b * x, costs.plain_cost(context.rows))
         return (g > 0) * (d + c * g) + verify
+
+    def costs_of(self, context: PassContext) -> CostLines:
+        """The cost lines of the pass ``context``: those of passes that carry a prefill chunk, or the others."""
+        return self.chunk_costs if context.chunk else self.costs
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
         """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
@@ -255,6 +272,7 @@ class DraftLengthController:
         else:
             tokens = self.row_tokens(rows)
             rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
+            self.best_rate = float(rates.max())
             probe = rates[0, 0] >= rates.max() and self.plain_streak >= self.probe_interval(rates) - 1
             low = int(probe)
             options = rates[low:, low:]
@@ -279,15 +297,19 @@ class DraftLengthController:
         rows: Sequence[AcceptanceEvidence],
         context: PassContext | None = None,
         exempt: Sequence[int] = (),
+        rate: float | None = None,
     ) -> CostAwareStop:
         """The rule that ends the next round of the drafting rows in ``slots`` (with evidence ``rows``, in the
         pass ``context``) once another draft token is worth less than it costs, its time counted in tokens at
-        the best rate predicted for the pass, plain included (never before a round was timed); a row of an
-        ``exempt`` slot (one that drafts a fixed number) keeps the round going while it drafts."""
+        ``rate``, the best rate predicted for the pass, plain included (never before a round was timed; by
+        default computed here, the plan of the round has it in ``best_rate``); a row of an ``exempt`` slot (one
+        that drafts a fixed number) keeps the round going while it drafts."""
         context = context or PassContext(len(rows))
-        _, c = self.costs.draft_cost(len(rows))
-        _, b = self.costs.verify_cost(context.rows)
-        rate = float(self.rates(rows, context).max()) if self.rounds else 0.0  # a second's worth, in tokens
+        costs = self.costs_of(context)
+        _, c = costs.draft_cost(len(rows))
+        _, b = costs.verify_cost(context.rows)
+        if rate is None:
+            rate = float(self.rates(rows, context).max()) if self.rounds else 0.0  # a second's worth, in tokens
         # one more draft widens a padded pass by a token per row; a packed one by a token per drafting row
         verify_share = 1.0 / context.rows if context.packed else None
         pooled = dict(zip(slots, self.acceptance(rows)))
@@ -303,12 +325,14 @@ class DraftLengthController:
         confidence: np.ndarray | None = None,
         pass_rows: int | None = None,
         pass_width: float | None = None,
+        chunk: bool = False,
     ) -> None:
         """Record a round: row r drafted ``num_drafted[r]`` tokens (one number: all rows alike; maybe fewer
         than chosen: an early stop) and accepted ``num_accepted[r]``. Times in seconds, of these rows'
         drafting (None: not known apart from other drafting in the round) and of the verify pass over
         ``pass_rows`` rows computing ``pass_width`` drafts per row (``PassContext.drafts_per_row``: its widest
-        row's drafts where rows are padded, their mean where packed; defaults: these rows', padded).
+        row's drafts where rows are padded, their mean where packed; defaults: these rows', padded), ``chunk``:
+        with a prefill chunk riding in it (``verify_s``: the pass's time less the chunk's predicted share).
         ``confidence`` [rows, k]: the draft's probability of each token it drafted, if known."""
         self.rounds += 1
         drafted = np.broadcast_to(np.asarray(num_drafted, dtype=np.int64), (len(rows),))
@@ -323,7 +347,8 @@ class DraftLengthController:
             row.passed = fade * row.passed + r_passed
         if widest and draft_s is not None:
             self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
-        self.costs.add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
+        verified = self.chunk_costs if chunk else self.costs
+        verified.add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
         fade = self.decay ** max(widest, 1)
         self.judged *= fade
         self.judged_accepted *= fade

@@ -523,7 +523,7 @@ class Scheduler:
         limits = [0 if r.num_draft_tokens == AUTO else min(r.num_draft_tokens, r.remaining - 1, room) for r in rows]
         auto = [i for i, r in enumerate(rows) if r.num_draft_tokens == AUTO]
         parts = dict(zip(auto, self.drafter.parts([sequences[i] for i in auto]))) if auto else {}
-        stop_rules = self._plan_auto(rows, auto, parts, limits, room) if auto else {}
+        stop_rules = self._plan_auto(rows, auto, parts, limits, room, chunk is not None) if auto else {}
         sampler = BatchSampler([r.params for r in rows], self.target.device, [r.generator for r in rows])
         riders = [] if chunk is None else [(r.slot, c) for r, c in zip(*chunk)]
         cached = [len(s) - 1 for s in sequences] + [r.prefilled for r in (chunk[0] if chunk else [])]
@@ -541,7 +541,7 @@ class Scheduler:
         self._round_s = seconds if self._round_s is None else TIME_DECAY * self._round_s + (1 - TIME_DECAY) * seconds
         if self.on_round is not None:
             self.on_round(seconds, list(result.num_drafted))
-        self._observe(rows, auto, parts, result)
+        self._observe(rows, auto, parts, result, chunk is not None)
         for request, tokens, drafted, accepted in zip(rows, result.tokens, result.num_drafted, result.num_accepted):
             request.stats.record_round(drafted, accepted)
             request.stats.draft_s += result.draft_s
@@ -559,11 +559,18 @@ class Scheduler:
         return float(self._pass_cost.coefficients()[0]) if chunked and not self.target.packs_rows else 0.0
 
     def _plan_auto(
-        self, rows: list[_Request], auto: list[int], parts: dict[int, str], limits: list[int], room: int
+        self,
+        rows: list[_Request],
+        auto: list[int],
+        parts: dict[int, str],
+        limits: list[int],
+        room: int,
+        chunk: bool,
     ) -> dict[str, StopRule]:
         """Fill in ``limits`` for the auto rows, kind of draft by kind of draft, each planned into the pass as
         the others leave it: prompt lookup first (its drafts cost nearly nothing to make), then the model's
-        rows around the width lookup's take. The stop rules of the kinds that draft."""
+        rows around the width lookup's take (``chunk``: a prefill chunk rides in the pass). The stop rules of
+        the kinds that draft."""
         fixed_slots = [r.slot for r, k in zip(rows, limits) if k > 0]
         members = {part: [i for i in auto if parts[i] == part] for part in (LOOKUP, MODEL)}
         planned_tokens = float(len(rows) - len(auto))  # the other rows' own tokens, at least
@@ -576,7 +583,7 @@ class Scheduler:
             controller = self.controllers[part]
             evidence = [rows[i].evidence.setdefault(part, controller.evidence()) for i in indices]
             unplanned -= len(indices)  # the rows of kinds planned later count their own token
-            context = self._pass(limits, planned_tokens + unplanned, fixed_s)
+            context = self._pass(limits, planned_tokens + unplanned, fixed_s, chunk)
             needed = max(rows[i].remaining - 1 for i in indices)
             lengths = controller.plan(evidence, min(needed, room), context)
             for i, length in zip(indices, lengths):
@@ -594,10 +601,12 @@ class Scheduler:
                     stop_rules[part] = rule
         return stop_rules
 
-    def _pass(self, drafts: Sequence[int], tokens: float = 0.0, fixed_s: float = 0.0) -> PassContext:
+    def _pass(
+        self, drafts: Sequence[int], tokens: float = 0.0, fixed_s: float = 0.0, chunk: bool = False
+    ) -> PassContext:
         """The verify pass of rows drafting ``drafts``, as the target computes it (packed or padded)."""
         packed = self.target.packs_rows
-        return PassContext(len(drafts), tokens, max(drafts, default=0), fixed_s, sum(drafts), packed)
+        return PassContext(len(drafts), tokens, max(drafts, default=0), fixed_s, sum(drafts), packed, chunk)
 
     def _stop_rule(
         self,
@@ -612,13 +621,14 @@ class Scheduler:
         means nothing for prompt lookup's rounds, which then draft the chosen length); rows with a fixed draft
         length keep a round going while they draft."""
         if self.draft_confidence_threshold is None:
-            return controller.stop_rule(slots, evidence, context, fixed_slots)
+            return controller.stop_rule(slots, evidence, context, fixed_slots, controller.best_rate)
         return None if part == LOOKUP else confidence_below(self.draft_confidence_threshold, fixed_slots)
 
-    def _observe(self, rows: list[_Request], auto: list[int], parts: dict[int, str], result) -> None:
+    def _observe(self, rows: list[_Request], auto: list[int], parts: dict[int, str], result, chunk: bool) -> None:
         """Feed each kind of draft's controller its rows' drafts, acceptances, confidences and the round's
-        times. The round's drafting seconds are a kind's when no other row drafted, except that the model's
-        rows take them beside prompt lookup's, whose search on the host is small next to a model step."""
+        times (``chunk``: a prefill chunk rode in its verify pass). The round's drafting seconds are a kind's
+        when no other row drafted, except that the model's rows take them beside prompt lookup's, whose search
+        on the host is small next to a model step."""
         confidence = None if result.confidence is None else result.confidence.get().numpy()
         width = float(self._pass(result.num_drafted).drafts_per_row(0, 0))
         for part, controller in self.controllers.items():
@@ -636,6 +646,7 @@ class Scheduler:
                 None if confidence is None else confidence[members],
                 pass_rows=len(rows),
                 pass_width=width,
+                chunk=chunk,
             )
 
     def _emit(self, request: _Request) -> None:

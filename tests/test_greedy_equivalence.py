@@ -164,7 +164,7 @@ class ScriptedSchedule(DraftLengthController):
     def observe(self, *args, **kwargs) -> None:
         pass
 
-    def stop_rule(self, slots, rows, context=None, exempt=()) -> StopRule:
+    def stop_rule(self, slots, rows, context=None, exempt=(), rate=None) -> StopRule:
         return confidence_below(0.3, exempt)  # cuts rounds after tokens the draft is unconfident about
 
 

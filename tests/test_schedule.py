@@ -354,6 +354,33 @@ def test_a_row_drafts_beside_plain_rows_when_the_pass_is_packed() -> None:
     assert controller.plan(rows, 100, PassContext(4, tokens=3.0, packed=True))[0] > 0
 
 
+def test_passes_carrying_a_prefill_chunk_are_priced_by_their_own_lines() -> None:
+    """A row accepting 70% of its drafts drafts in a pass of 4 packed rows. Passes carrying a chunk take the
+    other passes' lines until some were timed at that number of rows; once they show drafts costing five
+    times as much there, the row stops drafting beside a chunk and still drafts without one (the control)."""
+    controller = DraftLengthController(MAX, decay=1.0)
+    rows = evidence(controller)
+    for gamma in (1, 4, 1, 4):
+        controller.costs.add_verify(4, gamma, 0.03 + 0.006 * gamma)
+        controller.costs.add_draft(1, gamma, 0.001 + 0.001 * gamma)
+    controller.observe(4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=1.75)
+    rows[0].passed[:], rows[0].reached[:] = 70.0, 100.0
+    plain, chunk = PassContext(4, tokens=3.0, packed=True), PassContext(4, tokens=3.0, packed=True, chunk=True)
+    assert controller.round_time(1, chunk) == pytest.approx(controller.round_time(1, plain))
+    assert controller.plan(rows, 100, chunk)[0] > 0
+    lines = controller.costs.verify_cost(4), controller.costs.plain_cost(4)
+    for width in (0.25, 1.0, 0.25, 1.0):
+        controller.observe(
+            0, [0], evidence(controller), None, 0.03 + 0.03 * width, pass_rows=4, chunk=True, pass_width=width
+        )
+    controller.observe(0, [0], evidence(controller), None, 0.03, pass_rows=4, pass_width=0.0, chunk=True)
+    assert controller.chunk_costs.verify_cost(4) == pytest.approx((0.03, 0.03))
+    assert controller.chunk_costs.plain_cost(4) == pytest.approx(0.03)
+    assert (controller.costs.verify_cost(4), controller.costs.plain_cost(4)) == lines  # the others' lines are kept
+    assert controller.plan(rows, 100, chunk) == [0]
+    assert controller.plan(rows, 100, plain)[0] > 0
+
+
 def test_a_packed_stop_rule_charges_only_the_rows_still_drafting() -> None:
     """Padded, one more draft widens every row of the pass: it costs rate * (c + b) however many rows still
     draft. Packed, the verify part is b per row of the pass, times the rows still drafting: a lone row still
