@@ -63,14 +63,22 @@ class DecayedLine:
         self.decay, self.through_origin = decay, through_origin
         self.sums = np.zeros(5)  # decayed sums of 1, x, y, x^2, x*y
         self.seen: set[float] = set()
+        self._solved: tuple[float, float] | None = None  # the coefficients, until the next observation
 
     def add(self, x: float, y: float) -> None:
         self.sums = self.decay * self.sums + np.array([1.0, x, y, x * x, x * y])
         self.seen.add(x)
+        self._solved = None
 
     def coefficients(self) -> tuple[float, float]:
-        """(intercept, slope); (0, 0) before any observation."""
-        w, sx, sy, sxx, sxy = self.sums
+        """(intercept, slope); (0, 0) before any observation. Solved once per observation: plans ask every
+        round, for every number of rows."""
+        if self._solved is None:
+            self._solved = self._solve()
+        return self._solved
+
+    def _solve(self) -> tuple[float, float]:
+        w, sx, sy, sxx, sxy = self.sums.tolist()
         if w == 0:
             return 0.0, 0.0
         spread = w * sxx - sx * sx
@@ -171,7 +179,7 @@ class PassContext:
     packed: bool = False  # whether the engine computes the rows' tokens packed (True) or padded to the widest
     chunk: bool = False  # whether a prefill chunk rides in the pass (its own cost lines: ``chunk_costs``)
 
-    def drafts_per_row(self, drafting_rows: int, g: np.ndarray | int) -> np.ndarray:
+    def drafts_per_row(self, drafting_rows: int | np.ndarray, g: np.ndarray | int) -> np.ndarray:
         """x: the verify pass's drafts per row, as computed, when ``drafting_rows`` more rows draft ``g``."""
         if self.packed:
             return (self.drafts + drafting_rows * np.asarray(g)) / self.rows
@@ -232,12 +240,17 @@ class DraftLengthController:
     def round_time(self, rows: int, context: PassContext | None = None) -> np.ndarray:
         """time(g) for g = 0 .. max_draft, for ``rows`` drafting rows verified in the pass ``context``
         (default: these rows alone)."""
-        context = context or PassContext(rows)
+        return self.round_times([rows], context or PassContext(rows))[0]
+
+    def round_times(self, drafting_rows: Sequence[int], context: PassContext) -> np.ndarray:
+        """[len(drafting_rows), max_draft + 1]: ``round_time`` for each number of drafting rows, at once (the
+        plan asks for every number each round)."""
         costs = self.costs_of(context)
-        (d, c), (a, b) = costs.draft_cost(rows), costs.verify_cost(context.rows)
+        (a, b), plain = costs.verify_cost(context.rows), costs.plain_cost(context.rows)
+        d, c = np.array([costs.draft_cost(j) for j in drafting_rows]).T[:, :, None]
         g = np.arange(self.max_draft + 1)
-        x = context.drafts_per_row(rows, g)
-        verify = np.where(x > 0, a + b * x, costs.plain_cost(context.rows))
+        x = context.drafts_per_row(np.asarray(drafting_rows)[:, None], g)
+        verify = np.where(x > 0, a + b * x, plain)
         return (g > 0) * (d + c * g) + verify
 
     def costs_of(self, context: PassContext) -> CostLines:
@@ -253,9 +266,9 @@ class DraftLengthController:
         """``rates`` from the rows' ``row_tokens``."""
         gain = -np.sort(-(row_tokens - 1.0), axis=0)  # per g, the rows gaining most first
         tokens = context.tokens + len(gain) + np.vstack([np.zeros(self.max_draft + 1), np.cumsum(gain, axis=0)])
-        times = [self.round_time(max(j, 1), context) for j in range(len(gain) + 1)]
-        times[0] = np.full(self.max_draft + 1, times[0][0])
-        return tokens / np.maximum(np.stack(times) + context.fixed_s, 1e-12)
+        times = self.round_times(range(1, len(gain) + 1), context)
+        plain = np.full((1, self.max_draft + 1), times[0, 0])  # j = 0: a plain round for these rows
+        return tokens / np.maximum(np.vstack([plain, times]) + context.fixed_s, 1e-12)
 
     def plan(self, rows: Sequence[AcceptanceEvidence], remaining: int, context: PassContext | None = None) -> list[int]:
         """The draft length of each row in the next round, at most: the rows expected to gain most draft
