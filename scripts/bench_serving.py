@@ -197,13 +197,17 @@ def round_costs(directory: Path, rows_up_to: int) -> list[dict]:
 
 
 def fitted_lines(decoder: SpeculativeDecoder) -> dict:
-    """The cost lines auto fitted online, per kind of draft and number of rows."""
+    """The cost lines auto fitted online, per kind of draft and number of rows: of passes without and with a
+    prefill chunk riding in them."""
     fitted = {}
     for part, controller in decoder.scheduler.controllers.items():
+        costs, chunk = controller.costs, controller.chunk_costs
         fitted[part] = {
-            "verify": {n: [round(c, 5) for c in line.coefficients()] for n, line in controller.costs.verifying.items()},
-            "plain": {n: round(line.coefficients()[0], 5) for n, line in controller.costs.plain.items()},
-            "draft": {n: [round(c, 5) for c in line.coefficients()] for n, line in controller.costs.drafting.items()},
+            "verify": {n: [round(c, 5) for c in line.coefficients()] for n, line in costs.verifying.items()},
+            "plain": {n: round(line.coefficients()[0], 5) for n, line in costs.plain.items()},
+            "draft": {n: [round(c, 5) for c in line.coefficients()] for n, line in costs.drafting.items()},
+            "verify_with_chunk": {n: [round(c, 5) for c in line.coefficients()] for n, line in chunk.verifying.items()},
+            "plain_with_chunk": {n: round(line.coefficients()[0], 5) for n, line in chunk.plain.items()},
         }
     return fitted
 
