@@ -878,9 +878,11 @@ def test_a_corrupt_default_engine_is_rebuilt_with_a_message(
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_a_build_leaves_nothing(sig: signal.Signals, paths: Paths, tmp_path: Path) -> None:
-    """SIGTERM (as Ctrl-C) mid-build removes the staging directory and the lock, and writes no --out."""
+    """SIGTERM (as Ctrl-C) mid-build removes the staging directory and the lock, and writes no --out. The
+    build pauses as the draft's stage starts, so the signal cannot arrive after a quick build has finished."""
     out = tmp_path / "out"
-    process = start_build(BuildRequest(out=out, target=paths.target, draft="int4", max_context=MAX_CONTEXT))
+    request = BuildRequest(out=out, target=paths.target, draft="int4", max_context=MAX_CONTEXT)
+    process = start_build(request, pause_at="export draft")
     wait_for_line(process.stdout, "export draft")
     assert out.with_name("out.partial").is_dir(), "the target's graph should be staged by now"
     process.send_signal(sig)
@@ -894,7 +896,7 @@ def test_a_stale_partial_directory_is_removed_by_the_next_build(paths: Paths, tm
     """A build killed outright leaves its staging directory; the next build of that --out removes it."""
     out = tmp_path / "out"
     request = BuildRequest(out=out, target=paths.target, draft="int4", max_context=MAX_CONTEXT)
-    process = start_build(request)
+    process = start_build(request, pause_at="export draft")  # killed mid-build, however quick the build
     wait_for_line(process.stdout, "export draft")
     process.kill()
     process.communicate(timeout=120)

@@ -37,17 +37,19 @@ MAX_CONTEXT = 64
 SENTINEL = "keep.txt"
 
 _BUILD_SCRIPT = """
-import json, sys
+import json, sys, time
 from pathlib import Path
 from specdec_trt.build import BuildRequest, build
 
 spec = json.loads(sys.argv[1])
-fail_at = spec.pop("fail_at")
+fail_at, pause_at = spec.pop("fail_at"), spec.pop("pause_at")
 
 def on_stage(stage):
     print(stage, flush=True)
     if stage == fail_at:
         raise RuntimeError(f"injected failure at {stage}")
+    if stage == pause_at:
+        time.sleep(120)
 
 build(BuildRequest(**{**spec, "out": Path(spec["out"])}), on_stage)
 """
@@ -62,10 +64,11 @@ class BuildRun:
     stderr: str
 
 
-def start_build(request: BuildRequest, fail_at: str | None = None) -> subprocess.Popen:
-    """Start ``build(request)`` in a fresh Python process; ``fail_at`` injects a failure as that stage starts."""
+def start_build(request: BuildRequest, fail_at: str | None = None, pause_at: str | None = None) -> subprocess.Popen:
+    """Start ``build(request)`` in a fresh Python process; ``fail_at`` injects a failure as that stage starts,
+    ``pause_at`` a pause of two minutes (time for a signal to arrive mid-build, however loaded the machine)."""
     spec = {key: str(value) if isinstance(value, Path) else value for key, value in asdict(request).items()}
-    command = [sys.executable, "-c", _BUILD_SCRIPT, json.dumps({**spec, "fail_at": fail_at})]
+    command = [sys.executable, "-c", _BUILD_SCRIPT, json.dumps({**spec, "fail_at": fail_at, "pause_at": pause_at})]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
