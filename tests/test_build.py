@@ -37,10 +37,13 @@ MAX_CONTEXT = 64
 SENTINEL = "keep.txt"
 
 _BUILD_SCRIPT = """
-import json, sys, time
+import json, signal, sys, time
 from pathlib import Path
 from specdec_trt.build import BuildRequest, build
 
+# Ctrl-C as in a terminal: an ignored or blocked SIGINT is inherited from the test run's process otherwise
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
 spec = json.loads(sys.argv[1])
 fail_at, pause_at = spec.pop("fail_at"), spec.pop("pause_at")
 
