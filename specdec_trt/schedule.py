@@ -245,7 +245,7 @@ class DraftLengthController:
     def round_times(self, drafting_rows: Sequence[int], context: PassContext) -> np.ndarray:
         """[len(drafting_rows), max_draft + 1]: ``round_time`` for each number of drafting rows, at once (the
         plan asks for every number each round)."""
-        costs = self.costs_of(context)
+        costs = self.costs_of(context.chunk)
         (a, b), plain = costs.verify_cost(context.rows), costs.plain_cost(context.rows)
         d, c = np.array([costs.draft_cost(j) for j in drafting_rows]).T[:, :, None]
         g = np.arange(self.max_draft + 1)
@@ -253,9 +253,9 @@ class DraftLengthController:
         verify = np.where(x > 0, a + b * x, plain)
         return (g > 0) * (d + c * g) + verify
 
-    def costs_of(self, context: PassContext) -> CostLines:
-        """The cost lines of the pass ``context``: those of passes that carry a prefill chunk, or the others."""
-        return self.chunk_costs if context.chunk else self.costs
+    def costs_of(self, chunk: bool) -> CostLines:
+        """The cost lines of passes that carry a prefill chunk (``chunk``), or of the others."""
+        return self.chunk_costs if chunk else self.costs
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
         """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
@@ -318,7 +318,7 @@ class DraftLengthController:
         default computed here, the plan of the round has it in ``best_rate``); a row of an ``exempt`` slot (one
         that drafts a fixed number) keeps the round going while it drafts."""
         context = context or PassContext(len(rows))
-        costs = self.costs_of(context)
+        costs = self.costs_of(context.chunk)
         _, c = costs.draft_cost(len(rows))
         _, b = costs.verify_cost(context.rows)
         if rate is None:
@@ -360,8 +360,7 @@ class DraftLengthController:
             row.passed = fade * row.passed + r_passed
         if widest and draft_s is not None:
             self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
-        verified = self.chunk_costs if chunk else self.costs
-        verified.add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
+        self.costs_of(chunk).add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
         fade = self.decay ** max(widest, 1)
         self.judged *= fade
         self.judged_accepted *= fade

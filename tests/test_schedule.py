@@ -339,17 +339,26 @@ def test_a_packed_pass_charges_a_row_its_own_drafts() -> None:
     assert controller.round_time(1, padded) == pytest.approx((g > 0) * (d + c * g) + a + b * np.maximum(g, 2))
 
 
-def test_a_row_drafts_beside_plain_rows_when_the_pass_is_packed() -> None:
-    """A row accepting 70% of its drafts, in a pass of 4 rows whose other three decode plainly: padded, each of
-    its drafts widens all four rows and drafting does not pay; packed, it pays only for its own tokens and
-    drafts (the padded plan is the control)."""
+def one_row_accepting_70_percent_beside_three(
+    pass_width: float,
+) -> tuple[DraftLengthController, list[AcceptanceEvidence]]:
+    """A controller that timed passes of 4 rows and one row's drafting, and that row's evidence: 70% of its
+    drafts accepted; its one observed round verified ``pass_width`` drafts a row."""
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller)
     for gamma in (1, 4, 1, 4):
         controller.costs.add_verify(4, gamma, 0.03 + 0.006 * gamma)
         controller.costs.add_draft(1, gamma, 0.001 + 0.001 * gamma)
-    controller.observe(4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=4)
+    controller.observe(4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=pass_width)
     rows[0].passed[:], rows[0].reached[:] = 70.0, 100.0
+    return controller, rows
+
+
+def test_a_row_drafts_beside_plain_rows_when_the_pass_is_packed() -> None:
+    """A row accepting 70% of its drafts, in a pass of 4 rows whose other three decode plainly: padded, each of
+    its drafts widens all four rows and drafting does not pay; packed, it pays only for its own tokens and
+    drafts (the padded plan is the control)."""
+    controller, rows = one_row_accepting_70_percent_beside_three(pass_width=4)
     assert controller.plan(rows, 100, PassContext(4, tokens=3.0)) == [0]
     assert controller.plan(rows, 100, PassContext(4, tokens=3.0, packed=True))[0] > 0
 
@@ -358,13 +367,7 @@ def test_passes_carrying_a_prefill_chunk_are_priced_by_their_own_lines() -> None
     """A row accepting 70% of its drafts drafts in a pass of 4 packed rows. Passes carrying a chunk take the
     other passes' lines until some were timed at that number of rows; once they show drafts costing five
     times as much there, the row stops drafting beside a chunk and still drafts without one (the control)."""
-    controller = DraftLengthController(MAX, decay=1.0)
-    rows = evidence(controller)
-    for gamma in (1, 4, 1, 4):
-        controller.costs.add_verify(4, gamma, 0.03 + 0.006 * gamma)
-        controller.costs.add_draft(1, gamma, 0.001 + 0.001 * gamma)
-    controller.observe(4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=1.75)
-    rows[0].passed[:], rows[0].reached[:] = 70.0, 100.0
+    controller, rows = one_row_accepting_70_percent_beside_three(pass_width=1.75)
     plain, chunk = PassContext(4, tokens=3.0, packed=True), PassContext(4, tokens=3.0, packed=True, chunk=True)
     assert controller.round_time(1, chunk) == pytest.approx(controller.round_time(1, plain))
     assert controller.plan(rows, 100, chunk)[0] > 0
