@@ -35,7 +35,7 @@ from transformers import AutoTokenizer
 
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
-from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, median_run, open_loop
+from specdec_trt.bench.load import RequestTiming, against_best, closed_loop, load_summary, median_run, open_loop
 from specdec_trt.bench.openai_client import stream_completion
 from specdec_trt.bench.servers import (
     free_port,
@@ -218,15 +218,17 @@ def table(row: dict, names: list[str]) -> Table:
 
 
 def summary(results: list[dict], names: list[str]) -> dict:
-    """At each load: auto against the best of plain and fixed k; and ours against llama.cpp plain."""
+    """At each load: auto against the best of plain and fixed k (their medians, and turn by turn); and ours
+    against llama.cpp plain."""
     ours_fixed = [n for n in names if n.startswith(OURS) and not n.endswith("auto")]
     rows = []
     for row in results:
         rate = {name: row["methods"][name]["tokens_per_s_median"] for name in names}
         entry = {"load": row["load"], "level": row["level"]}
         if f"{OURS} k=auto" in rate and ours_fixed:
-            best = max(ours_fixed, key=rate.get)
-            entry |= {"best_fixed": best, "auto_over_best_fixed": round(rate[f"{OURS} k=auto"] / rate[best], 3)}
+            compared = against_best(row["methods"], f"{OURS} k=auto", ours_fixed)
+            entry |= {"best_fixed": compared["best"], "auto_over_best_fixed": compared["ratio_of_medians"]}
+            entry |= {"auto_over_best_fixed_per_turn": {k: v for k, v in compared.items() if "turn" in k}}
         if LLAMA in rate:
             ours_best = max((n for n in names if n.startswith(OURS)), key=rate.get)
             entry |= {"best_ours": ours_best, "best_ours_over_llama_cpp": round(rate[ours_best] / rate[LLAMA], 3)}

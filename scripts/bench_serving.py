@@ -26,7 +26,15 @@ from rich.table import Table
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.environment import environment
-from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary, median_run, percentiles, timed
+from specdec_trt.bench.load import (
+    RequestTiming,
+    against_best,
+    closed_loop,
+    load_summary,
+    median_run,
+    percentiles,
+    timed,
+)
 from specdec_trt.bench.suites import load_suite
 from specdec_trt.bench.timing import step_seconds
 from specdec_trt.cli_options import default_engines
@@ -92,6 +100,11 @@ def main(
                         serial[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, 1)))
             medians = {k: median_run(r) for k, r in runs.items()}
             row = {"temperature": temperature, "concurrency": level, "methods": medians}
+            others = [str(k) for k in gammas if k != "auto"]
+            if "auto" in medians and others:
+                row["auto_against_best"] = against_best(medians, "auto", others)
+            if "auto" in medians and "0" in medians:
+                row["auto_against_plain"] = against_best(medians, "auto", ["0"])
             if level == 4:
                 row["serial"] = {k: median_run(r) for k, r in serial.items()}
             data["load"].append(row)
@@ -138,43 +151,45 @@ def sender(decoder: SpeculativeDecoder, k):
 
 
 def long_prompt_interference(decoder: SpeculativeDecoder, prompts: list[list[int]], max_new_tokens: int) -> dict:
-    """Three greedy streams with auto; once they decode, a 1,500-token prompt arrives. Their inter-token
-    latency over the whole run, and while that prompt was being prefilled (submission to its first piece)."""
+    """Three greedy streams with auto; once all three decode, a 1,500-token prompt arrives. Their inter-token
+    latency from then on, and while that prompt was being prefilled (submission to its first piece). The
+    readers never wait on each other, so no piece waits unread and no gap is a reader's own pause."""
     params = SamplingParams(max_new_tokens=2 * max_new_tokens, ignore_eos=True)
     timings: list[RequestTiming] = []
-    decoding = threading.Barrier(4)  # the three readers have their first piece, and the long prompt may come
+    first_pieces = threading.Semaphore(0)  # released by each reader at its first piece
 
     def read(prompt: list[int]) -> None:
-        pieces = iter(decoder.stream(prompt, params, "auto"))
         timing = RequestTiming(time.perf_counter())
-        first = True
-        for _ in pieces:
+        for index, _ in enumerate(decoder.stream(prompt, params, "auto")):
             timing.arrivals.append(time.perf_counter())
-            if first:
-                decoding.wait()
-                first = False
+            if index == 0:
+                first_pieces.release()
         timings.append(timing)
 
     readers = [threading.Thread(target=read, args=(prompts[i],)) for i in range(3)]
     for reader in readers:
         reader.start()
-    decoding.wait()
+    for _ in readers:
+        first_pieces.acquire()
+    decoding = time.perf_counter()
     long = [t for p in prompts for t in p][:LONG_PROMPT_TOKENS]
     arriving = decoder.stream(long, SamplingParams(max_new_tokens=16, ignore_eos=True), "auto")
     arrival, _ = timed(arriving)
     for reader in readers:
         reader.join()
     window = (arrival.sent, arrival.arrivals[0])
-    gaps = [b - a for t in timings for a, b in zip(t.arrivals, t.arrivals[1:])]
-    during = [b - a for t in timings for a, b in zip(t.arrivals, t.arrivals[1:]) if window[0] <= b <= window[1] + 1e-3]
+    pairs = [(a, b) for t in timings for a, b in zip(t.arrivals, t.arrivals[1:]) if a >= decoding]
+    gaps = [b - a for a, b in pairs]
+    during = [b - a for a, b in pairs if window[0] <= b <= window[1] + 1e-3]
     whole, inside = percentiles(gaps), percentiles(during)
+    worst = max(whole["p99_ms"], inside["p99_ms"] or 0)
     return {
         "prompt_tokens": len(long),
         "prefill_s": round(window[1] - window[0], 3),
         "itl_all": whole,
         "itl_during_prefill": inside,
         "gaps_during_prefill": len(during),
-        "p99_over_median": round(max(whole["p99_ms"], inside["p99_ms"] or 0) / whole["p50_ms"], 2),
+        "p99_over_median": round(worst / whole["p50_ms"], 2),
     }
 
 
@@ -217,24 +232,31 @@ def write(out: Path, data: dict) -> None:
     out.write_text(json.dumps(data, indent=1))
 
 
+def ratio_cell(compared: dict | None) -> str:
+    """An ``against_best`` result in a table cell."""
+    if compared is None:
+        return "-"
+    spread = f"{compared['lowest_turn_ratio']:.3f}-{compared['highest_turn_ratio']:.3f}"
+    return f"{compared['ratio_of_medians']:.3f} vs {compared['best']}; {compared['median_turn_ratio']:.3f} ({spread})"
+
+
 def print_tables(data: dict, gammas: list) -> None:
-    console = Console()
+    console = Console(width=180)
     for temperature in sorted({row["temperature"] for row in data["load"]}):
         table = Table(title=f"total output tokens/s (TTFT p50 / ITL p50 / ITL p99 ms), t={temperature}")
         table.add_column("concurrency")
         for k in gammas:
             table.add_column("plain" if k == 0 else f"k={k}")
-        table.add_column("auto / best other")
+        table.add_column("auto / best other: medians; per turn, median (lowest-highest)")
+        table.add_column("auto / plain, the same")
         for row in (r for r in data["load"] if r["temperature"] == temperature):
-            cells, rates = [], {}
+            cells = []
             for k in gammas:
                 m = row["methods"][str(k)]
-                rates[str(k)] = m["tokens_per_s_median"]
                 latencies = f"{m['ttft']['p50_ms']:.0f}/{m['itl']['p50_ms']:.0f}/{m['itl']['p99_ms']:.0f}"
                 cells.append(f"{m['tokens_per_s_median']:.1f} ({latencies})")
-            others = [v for k, v in rates.items() if k != "auto"]
-            ratio = f"{rates['auto'] / max(others):.3f}" if "auto" in rates and others else "-"
-            table.add_row(str(row["concurrency"]), *cells, ratio)
+            ratios = [ratio_cell(row.get(key)) for key in ("auto_against_best", "auto_against_plain")]
+            table.add_row(str(row["concurrency"]), *cells, *ratios)
         console.print(table)
         for row in (r for r in data["load"] if r["temperature"] == temperature and "serial" in r):
             for k in gammas:

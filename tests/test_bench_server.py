@@ -15,7 +15,7 @@ import pytest
 from serving import serve
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.load import RequestTiming, load_summary, median_run, open_loop
+from specdec_trt.bench.load import RequestTiming, against_best, load_summary, median_run, open_loop
 from specdec_trt.bench.openai_client import ServerResponseError, stream_completion
 from specdec_trt.bench.servers import ServerStartError, free_port, running
 
@@ -62,6 +62,20 @@ def test_median_run_reports_the_repeat_with_the_median_tokens_per_second() -> No
     assert median["wall_s"] == 2.0 and median["e2e"] == repeats[2]["e2e"]
     assert median["repeats"] == repeats
     assert median_run(repeats[:2])["tokens_per_s_median"] == 62.5  # an even count: the mean of the middle two
+
+
+def test_against_best_compares_with_the_best_by_median_and_turn_by_turn() -> None:
+    def method(*rates: float) -> dict:
+        return median_run([load_summary([RequestTiming(0.0, [0.5, 1.0], int(rate))], 1.0) for rate in rates])
+
+    # k=2 is best by median (100 against 90); auto trails it in two turns of three, by 10% and 5%
+    methods = {"auto": method(90, 95, 120), "0": method(80, 90, 85), "2": method(100, 100, 100)}
+    compared = against_best(methods, "auto", ["0", "2"])
+    assert compared["best"] == "2" and compared["ratio_of_medians"] == 0.95
+    assert compared["turn_ratios"] == [0.9, 0.95, 1.2]
+    assert compared["median_turn_ratio"] == 0.95
+    assert (compared["lowest_turn_ratio"], compared["highest_turn_ratio"]) == (0.9, 1.2)
+    assert against_best(methods, "auto", ["0"])["turn_ratios"] == [1.125, 1.056, 1.412]  # against plain alone
 
 
 @pytest.fixture(scope="module")

@@ -150,3 +150,22 @@ def median_run(repeats: Sequence[dict]) -> dict:
     median = sorted(repeats, key=lambda r: r["tokens_per_s"])[len(repeats) // 2]
     rates = [r["tokens_per_s"] for r in repeats]
     return {**median, "tokens_per_s_median": statistics.median(rates), "repeats": list(repeats)}
+
+
+def against_best(methods: dict[str, dict], method: str, others: Sequence[str]) -> dict:
+    """``method`` against the best of ``others`` by median tokens/s (each a ``median_run`` result): the
+    ratio of their medians, and the ratio within each turn with its median, lowest and highest. The methods
+    take turns, so a turn's ratio cancels the machine's drift between turns, and the spread of the turns'
+    ratios shows whether the difference stands out from the noise."""
+    rate = {name: methods[name]["tokens_per_s_median"] for name in (method, *others)}
+    best = max(others, key=rate.__getitem__)
+    pairs = zip(methods[method]["repeats"], methods[best]["repeats"])
+    turns = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in pairs]
+    return {
+        "best": best,
+        "ratio_of_medians": round(rate[method] / rate[best], 3),
+        "turn_ratios": [round(r, 3) for r in turns],
+        "median_turn_ratio": round(statistics.median(turns), 3),
+        "lowest_turn_ratio": round(min(turns), 3),
+        "highest_turn_ratio": round(max(turns), 3),
+    }
