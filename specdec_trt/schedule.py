@@ -22,6 +22,9 @@ token rarely pays beside eight. Where plain steps win, a round drafts anyway now
 acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the best probe is predicted
 to lose much (one draft beside many plain rows makes the whole pass dearer), so that probes cost about
 ``PROBE_COST`` of the time; a probe drafts no further than planned, and each kind of draft probes on its own.
+Likewise a row left out while others draft joins a drafting round once it has sat out as many rounds as a
+probe would wait (``overdue``): a row that never drafts is never judged, and a new request would keep the
+prior's estimate for as long as others draft beside it.
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
 the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
@@ -99,14 +102,15 @@ class AcceptanceEvidence:
     def __init__(self, max_draft: int) -> None:
         self.reached = np.zeros(max_draft)
         self.passed = np.zeros(max_draft)
+        self.idle = 0  # rounds since the row last drafted
 
 
 class CostLines:
     """Seconds of a round's drafting and verifying against its draft length, one pair of fitted lines per
     number of rows (a round over more rows costs more, and its cost grows faster with the draft length once
     the rows make the step compute-bound), and the decayed mean of a verify pass without drafts. A row count
-    without observations of its own takes the ``fallback``'s line there, or without one the line of the
-    nearest counts that have some, interpolated."""
+    without verify observations of its own takes the ``fallback``'s line there, or without one the line of
+    the nearest counts that have some, interpolated."""
 
     def __init__(self, decay: float, fallback: CostLines | None = None) -> None:
         self.decay, self.fallback = decay, fallback
@@ -126,8 +130,6 @@ class CostLines:
 
     def draft_cost(self, rows: int) -> tuple[float, float]:
         """(d, c): drafting seconds per drafting round and per drafted token, at ``rows`` rows."""
-        if self.fallback is not None and rows not in self.drafting:
-            return self.fallback.draft_cost(rows)
         return _at(self.drafting, rows)
 
     def verify_cost(self, rows: int) -> tuple[float, float]:
@@ -205,10 +207,12 @@ class DraftLengthController:
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
         self.costs = CostLines(time_decay)
-        self.chunk_costs = CostLines(time_decay, fallback=self.costs)  # of passes that carry a prefill chunk
+        # verify passes that carry a prefill chunk (their drafting is timed apart from the pass: ``costs``)
+        self.chunk_costs = CostLines(time_decay, fallback=self.costs)
         self.rounds = 0
         self.plain_streak = 0
         self.best_rate = 0.0  # the best tokens/s the last plan predicted for its pass (0 before a round was timed)
+        self.planned_row_tokens = np.zeros((0, max_draft + 1))  # ``row_tokens`` of the last plan's rows
 
     def evidence(self) -> AcceptanceEvidence:
         """Fresh evidence for a new row."""
@@ -247,14 +251,14 @@ class DraftLengthController:
         plan asks for every number each round)."""
         costs = self.costs_of(context.chunk)
         (a, b), plain = costs.verify_cost(context.rows), costs.plain_cost(context.rows)
-        d, c = np.array([costs.draft_cost(j) for j in drafting_rows]).T[:, :, None]
+        d, c = np.array([self.costs.draft_cost(j) for j in drafting_rows]).T[:, :, None]
         g = np.arange(self.max_draft + 1)
         x = context.drafts_per_row(np.asarray(drafting_rows)[:, None], g)
         verify = np.where(x > 0, a + b * x, plain)
         return (g > 0) * (d + c * g) + verify
 
     def costs_of(self, chunk: bool) -> CostLines:
-        """The cost lines of passes that carry a prefill chunk (``chunk``), or of the others."""
+        """The verify cost lines of passes that carry a prefill chunk (``chunk``), or of the others."""
         return self.chunk_costs if chunk else self.costs
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
@@ -276,14 +280,16 @@ class DraftLengthController:
         drafting pays, and ``stop_rule`` ends the round; a probe drafts the length planned for it, so that it
         costs what it was predicted to). ``remaining``: drafts that can still be used (tokens still needed by
         the longest row, less the target's own token). ``context``: the pass these rows join (default: just
-        these rows)."""
+        these rows). The rows' ``row_tokens`` stay in ``planned_row_tokens``."""
         limit = min(self.max_draft, remaining)
-        if limit <= 0 or not rows:
+        if not rows:
+            return []
+        self.planned_row_tokens = tokens = self.row_tokens(rows)
+        if limit <= 0:
             return [0] * len(rows)
         if self.rounds == 0:
             lengths = [min(self.first, limit)] * len(rows)
         else:
-            tokens = self.row_tokens(rows)
             rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
             self.best_rate = float(rates.max())
             probe = rates[0, 0] >= rates.max() and self.plain_streak >= self.probe_interval(rates) - 1
@@ -292,6 +298,8 @@ class DraftLengthController:
             j, gamma = (int(n) + low for n in np.unravel_index(int(np.argmax(options)), options.shape))
             order = np.argsort(-tokens[:, gamma], kind="stable")
             drafting = set(order[:j].tolist()) if gamma else set()
+            if gamma and not probe:
+                drafting |= self.overdue(rows, order[j:], rates[j, gamma], rates[-1, gamma])
             gamma = limit if gamma and self.reports_confidence and not probe else gamma
             lengths = [gamma if r in drafting else 0 for r in range(len(rows))]
         self.plain_streak = 0 if any(lengths) else self.plain_streak + 1
@@ -301,7 +309,21 @@ class DraftLengthController:
         """Rounds from one probe to the next where plain rounds win (``rates``: as ``rates`` returns them):
         ``probe_every``, or as many as make the best probe's predicted loss, against a plain round's tokens/s,
         about ``PROBE_COST`` of their time."""
-        loss = 1.0 - float(rates[1:, 1:].max()) / max(float(rates[0, 0]), 1e-12)
+        return self._interval(1.0 - float(rates[1:, 1:].max()) / max(float(rates[0, 0]), 1e-12))
+
+    def overdue(
+        self, rows: Sequence[AcceptanceEvidence], left_out: np.ndarray, planned_rate: float, all_rate: float
+    ) -> set[int]:
+        """The rows of ``left_out`` that draft anyway in a round where others draft, to be measured: those that
+        have not drafted for as many rounds as a probe would wait were its loss that of every row drafting
+        (``all_rate`` against the plan's ``planned_rate``). A row left out is never judged, so it would keep
+        its estimate, a new request's the prior's, for as long as others draft beside it."""
+        interval = self._interval(1.0 - all_rate / max(planned_rate, 1e-12))
+        return {int(r) for r in left_out if rows[r].idle >= interval - 1}
+
+    def _interval(self, loss: float) -> int:
+        """``probe_every``, or as many rounds as make one that loses ``loss`` of the best tokens/s cost about
+        ``PROBE_COST`` of their time."""
         return max(self.probe_every, math.ceil(loss / PROBE_COST))
 
     def stop_rule(
@@ -318,9 +340,8 @@ class DraftLengthController:
         default computed here, the plan of the round has it in ``best_rate``); a row of an ``exempt`` slot (one
         that drafts a fixed number) keeps the round going while it drafts."""
         context = context or PassContext(len(rows))
-        costs = self.costs_of(context.chunk)
-        _, c = costs.draft_cost(len(rows))
-        _, b = costs.verify_cost(context.rows)
+        _, c = self.costs.draft_cost(len(rows))
+        _, b = self.costs_of(context.chunk).verify_cost(context.rows)
         if rate is None:
             rate = float(self.rates(rows, context).max()) if self.rounds else 0.0  # a second's worth, in tokens
         # one more draft widens a padded pass by a token per row; a packed one by a token per drafting row
@@ -358,6 +379,7 @@ class DraftLengthController:
             fade = self.decay ** max(int(count), 1)  # a plain round fades the evidence as one draft would
             row.reached = fade * row.reached + r_reached
             row.passed = fade * row.passed + r_passed
+            row.idle = 0 if count else row.idle + 1
         if widest and draft_s is not None:
             self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
         self.costs_of(chunk).add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)

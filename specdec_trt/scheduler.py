@@ -14,8 +14,9 @@ not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step of i
 3. runs one speculative round over every decoding request, each with its own draft length: a fixed
    ``num_draft_tokens``, 0, or "auto", planned row by row for the most tokens per second of the whole batch
    from each request's own acceptance and a cost model fitted per number of rows (a request whose drafts do
-   not pay for themselves beside the others' tokens drafts none). Where the target packs a pass's tokens
-   (ONNX Runtime) the chunk rides in the round's verify pass; elsewhere it is a pass of its own before it;
+   not pay for themselves beside the others' tokens drafts none, and now and then some to be measured again).
+   Where the target packs a pass's tokens (ONNX Runtime) the chunk rides in the round's verify pass;
+   elsewhere it is a pass of its own before it;
 4. emits text deltas, and releases finished requests' slots at once.
 
 A request's greedy output never depends on what it shares the batch with, and sampled output keeps the
@@ -589,7 +590,7 @@ class Scheduler:
             for i, length in zip(indices, lengths):
                 limits[i] = min(length, rows[i].remaining - 1, room)
             drafting = [n for n, i in enumerate(indices) if limits[i] > 0]
-            tokens = controller.row_tokens(evidence)
+            tokens = controller.planned_row_tokens
             planned_tokens += float(sum(tokens[n, limits[i]] for n, i in enumerate(indices)))
             if drafting:
                 slots = [rows[indices[n]].slot for n in drafting]

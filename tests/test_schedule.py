@@ -309,6 +309,46 @@ def test_rows_whose_drafts_do_not_pay_draft_none_beside_rows_whose_do() -> None:
     assert controller.plan(rows[::-1], 100) == lengths[::-1]  # whatever the rows' order
 
 
+def left_out_row_plans(later_accept: bool, measure_left_out: bool = True) -> list[list[int]]:
+    """100 plans over two rows after rounds where row 0's drafts all passed and row 1's were all rejected;
+    from then on row 1's drafts pass if ``later_accept``. Drafting costs 5 ms a row and 5 ms a row per token,
+    verifying 50 ms and 2 ms per token of the widest row. ``measure_left_out`` False: without ``overdue``."""
+    controller = DraftLengthController(MAX)
+    if not measure_left_out:
+        controller.overdue = lambda *args: set()
+    rows = evidence(controller, 2)
+    for gamma in (2, 4) * 3:
+        controller.observe(gamma, [gamma, 0], rows, 0.01 + 0.01 * gamma, 0.05 + 0.002 * gamma)
+        controller.costs.add_draft(1, gamma, 0.005 + 0.005 * gamma)
+    plans = []
+    for _ in range(100):
+        lengths = controller.plan(rows, 100)
+        plans.append(lengths)
+        drafting = sum(g > 0 for g in lengths)
+        draft_s = 0.005 * drafting * (1 + max(lengths)) if drafting else None
+        accepted = [lengths[0], lengths[1] if later_accept else 0]
+        controller.observe(lengths, accepted, rows, draft_s, 0.05 + 0.002 * max(lengths))
+    return plans
+
+
+def test_a_row_left_out_while_others_draft_is_measured_now_and_then() -> None:
+    """A row whose drafts were rejected drafts none beside a row whose drafts pass, but not for ever: once it
+    has sat out as many rounds as a probe would wait, it drafts beside the other and is judged again. Drafts
+    that now pass keep it drafting; drafts still rejected cost a few rounds. Without that, a row left out is
+    never judged again (a new request's row would keep the prior's estimate while others draft)."""
+    for later_accept in (False, True):
+        plans = left_out_row_plans(later_accept)
+        assert all(p[0] > 0 for p in plans[1:])  # row 0 keeps drafting
+        row_1 = [p[1] > 0 for p in plans]
+        assert not row_1[0] and any(row_1[:30]), (later_accept, plans)
+        if later_accept:
+            assert all(row_1[-50:]), plans
+        else:  # measured at a steady interval, longer than PROBE_EVERY as its drafts would cost much
+            gaps = set(np.diff(np.flatnonzero(row_1)).tolist())
+            assert len(gaps) == 1 and gaps.pop() > 2 * PROBE_EVERY and sum(row_1) <= 10, plans
+    assert not any(p[1] for p in left_out_row_plans(True, measure_left_out=False))  # the control
+
+
 def test_drafts_no_wider_than_the_pass_cost_no_verify() -> None:
     """Where other rows make the pass wide anyway, drafting up to that width costs only the draft's steps."""
     controller = DraftLengthController(MAX, decay=1.0)
