@@ -4,10 +4,11 @@ Closed-loop clients at each concurrency send mixed code, chat and summarisation 
 ignored so every method makes as many) to one ``SpeculativeDecoder`` (the default engines, lookup-first with
 the int4 self-draft), greedy and sampled. Per concurrency, the methods (plain decoding k=0, fixed k, auto)
 take turns, repeat after repeat, so drifting machine load hits all of them alike. For each it reports total
-output tokens/s, time to first token and inter-token latency p50/p99; beside them, the same requests served
-one after another. Then: a 1,500-token prompt admitted next to three streaming requests (their inter-token
-latency while it is prefilled in chunks), and the measured cost of a verify pass and a draft step against the
-number of rows. Everything is printed and written as JSON.
+output tokens/s, time to first token and inter-token latency p50/p99, and auto against the best other method
+and against plain, by medians and turn by turn; beside them, the same requests served one after another.
+Then: a 1,500-token prompt admitted next to three streaming requests (their inter-token latency while it is
+prefilled in chunks), and the measured cost of a verify pass and a draft step against the number of rows.
+Everything is printed and written as JSON.
 
     .venv/bin/python scripts/bench_serving.py --out results/bench_serving.json
 """
