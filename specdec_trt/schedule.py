@@ -212,7 +212,6 @@ class DraftLengthController:
         self.rounds = 0
         self.plain_streak = 0
         self.best_rate = 0.0  # the best tokens/s the last plan predicted for its pass (0 before a round was timed)
-        self.planned_row_tokens = np.zeros((0, max_draft + 1))  # ``row_tokens`` of the last plan's rows
 
     def evidence(self) -> AcceptanceEvidence:
         """Fresh evidence for a new row."""
@@ -280,16 +279,14 @@ class DraftLengthController:
         drafting pays, and ``stop_rule`` ends the round; a probe drafts the length planned for it, so that it
         costs what it was predicted to). ``remaining``: drafts that can still be used (tokens still needed by
         the longest row, less the target's own token). ``context``: the pass these rows join (default: just
-        these rows). The rows' ``row_tokens`` stay in ``planned_row_tokens``."""
+        these rows)."""
         limit = min(self.max_draft, remaining)
-        if not rows:
-            return []
-        self.planned_row_tokens = tokens = self.row_tokens(rows)
-        if limit <= 0:
+        if limit <= 0 or not rows:
             return [0] * len(rows)
         if self.rounds == 0:
             lengths = [min(self.first, limit)] * len(rows)
         else:
+            tokens = self.row_tokens(rows)
             rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
             self.best_rate = float(rates.max())
             probe = rates[0, 0] >= rates.max() and self.plain_streak >= self.probe_interval(rates) - 1

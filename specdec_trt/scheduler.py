@@ -590,7 +590,7 @@ class Scheduler:
             for i, length in zip(indices, lengths):
                 limits[i] = min(length, rows[i].remaining - 1, room)
             drafting = [n for n, i in enumerate(indices) if limits[i] > 0]
-            tokens = controller.planned_row_tokens
+            tokens = controller.row_tokens(evidence)
             planned_tokens += float(sum(tokens[n, limits[i]] for n, i in enumerate(indices)))
             if drafting:
                 slots = [rows[indices[n]].slot for n in drafting]
