@@ -12,19 +12,21 @@ drafting passes would make one draft look cheap and many dear. Passes that carry
 their own, fitted on the pass's time less the chunk's predicted share: drafts cost more beside a chunk than
 elsewhere (docs/MEASUREMENTS.md); at a number of rows not yet timed with a chunk, the other passes' lines stand in.
 
-A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... +
-p_1 ... p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones
-before it were accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence
-decays per drafted token, so the estimates follow the text. The plan maximises the pass's tokens / time over g
-and over j, the rows expected to gain most drafting; g = 0 is a plain step. Counting the whole pass matters
-under load: a plain round of a full batch yields a token per row, and a draft that pays beside one row's
-token rarely pays beside eight. Where plain steps win, a round drafts anyway now and then (a probe) so
-acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the best probe is predicted
-to lose much (one draft beside many plain rows makes the whole pass dearer), so that probes cost about
-``PROBE_COST`` of the time; a probe drafts no further than planned, and each kind of draft probes on its own.
-Likewise a row left out while others draft joins a drafting round once it has sat out as many rounds as a
-probe would wait (``overdue``): a row that never drafts is never judged, and a new request would keep the
-prior's estimate for as long as others draft beside it.
+A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ...
+p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones before it were
+accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence decays per drafted
+token, so the estimates follow the text. A row's prior is the recent acceptance of its kind's drafts over every
+row, so a request joining is judged as the others are from its first round (with a fixed 0.5, new rows under load
+sat out of drafting for their first rounds: docs/MEASUREMENTS.md). The plan maximises the pass's tokens / time over
+g and over j, the rows expected to gain most drafting; g = 0 is a plain step. Counting the whole pass matters under
+load: a plain round of a full batch yields a token per row, and a draft that pays beside one row's token rarely
+pays beside eight. Where plain steps win, a round drafts anyway now and then (a probe) so acceptance keeps being
+measured: after ``probe_every`` plain rounds, or more where the best probe is predicted to lose much (one draft
+beside many plain rows makes the whole pass dearer), so that probes cost about ``PROBE_COST`` of the time; a probe
+drafts no further than planned, and each kind of draft probes on its own. Likewise a row left out while others
+draft joins a drafting round once it has sat out as many rounds as a probe would wait (``overdue``): a row that
+never drafts is never judged, and would keep its estimate for as long as others draft beside it (until its evidence
+faded into the prior).
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
 the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
@@ -41,7 +43,7 @@ import numpy as np
 import torch
 
 FIRST_DRAFT_LENGTH = 4  # the first round, before anything was measured
-PRIOR_ACCEPTED, PRIOR_TRIALS = 1.0, 2.0  # a weak prior: acceptance 0.5, worth two drafts
+PRIOR_TRIALS = 2.0  # a row's prior, worth two drafts: the acceptance of the kind's rows so far (0.5 before any)
 POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate, in trials
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
 TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
@@ -203,6 +205,7 @@ class DraftLengthController:
         if max_draft < 1 or probe_every < 1:
             raise ValueError("max_draft and probe_every must be >= 1")
         self.max_draft, self.first, self.probe_every, self.decay = max_draft, first, probe_every, decay
+        self.population = np.zeros(2)  # decayed, over all rows: drafts judged and accepted
         self.judged = np.zeros(len(CONFIDENCE_BINS) + 1)  # decayed, over all rows: judged drafts per bin
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
@@ -217,11 +220,18 @@ class DraftLengthController:
         """Fresh evidence for a new row."""
         return AcceptanceEvidence(self.max_draft)
 
+    def prior_acceptance(self) -> float:
+        """The acceptance a row without evidence of its own is given: that of the drafts of every row so far,
+        shrunk to 0.5 by one draft (a request joining drafts as its kind's rows do, and a row whose evidence
+        fades in plain rounds returns to it)."""
+        judged, accepted = self.population
+        return (0.5 + accepted) / (1.0 + judged)
+
     def acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
         """Per-row pooled acceptance estimates p_r in (0, 1)."""
         passed = np.array([row.passed.sum() for row in rows])
         reached = np.array([row.reached.sum() for row in rows])
-        return (PRIOR_ACCEPTED + passed) / (PRIOR_TRIALS + reached)
+        return (PRIOR_TRIALS * self.prior_acceptance() + passed) / (PRIOR_TRIALS + reached)
 
     def position_acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
         """[rows, max_draft] p_ri: acceptance of draft i given the drafts before it were accepted."""
@@ -314,7 +324,7 @@ class DraftLengthController:
         """The rows of ``left_out`` that draft anyway in a round where others draft, to be measured: those that
         have not drafted for as many rounds as a probe would wait were its loss that of every row drafting
         (``all_rate`` against the plan's ``planned_rate``). A row left out is never judged, so it would keep
-        its estimate, a new request's the prior's, for as long as others draft beside it."""
+        its estimate for as long as others draft beside it."""
         interval = self._interval(1.0 - all_rate / max(planned_rate, 1e-12))
         return {int(r) for r in left_out if rows[r].idle >= interval - 1}
 
@@ -381,6 +391,7 @@ class DraftLengthController:
             self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
         self.costs_of(chunk).add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
         fade = self.decay ** max(widest, 1)
+        self.population = fade * self.population + [reached.sum(), passed.sum()]
         self.judged *= fade
         self.judged_accepted *= fade
         if confidence is not None and widest:

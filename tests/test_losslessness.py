@@ -44,7 +44,8 @@ PROMPT = [1, 5, 3, 6, 1, 5]
 RUNS = 24_000
 MAX_CONTEXT = 16  # prompt + 3 tokens + 3 drafts + slack: keeps the batch's KV cache small
 AUTO_EXTRA = 3  # with "auto", tokens generated past DEPTH, so that rounds can draft several tokens
-AUTO_CONTEXT = len(PROMPT) + DEPTH + AUTO_EXTRA + AUTO_MAX_DRAFT_TOKENS  # "auto" reserves up to 8 drafts
+STOP_EXTRA = 5  # for auto's own stop: rounds that ask for enough drafts that the last ones no longer pay
+AUTO_CONTEXT = len(PROMPT) + DEPTH + STOP_EXTRA + AUTO_MAX_DRAFT_TOKENS  # "auto" reserves up to 8 drafts
 PASS_P = 1e-3  # a correct pipeline passes (fixed seeds: deterministic)
 REJECT_P = 1e-6  # a broken one must be rejected this clearly
 
@@ -102,10 +103,11 @@ def exact_joint(model: torch.nn.Module, params: SamplingParams) -> np.ndarray:
 
 
 def pipeline_counts(
-    decoder: SpeculativeDecoder, params: SamplingParams, gamma: DraftLength, runs: int = RUNS
+    decoder: SpeculativeDecoder, params: SamplingParams, gamma: DraftLength, runs: int = RUNS, extra: int | None = None
 ) -> tuple[np.ndarray, list]:
-    """Counts of the first DEPTH tokens over ``runs`` seeded requests, run as one batch."""
-    extra = AUTO_EXTRA if gamma == AUTO else gamma
+    """Counts of the first DEPTH tokens over ``runs`` seeded requests, run as one batch, each generating
+    ``extra`` tokens past them (default: AUTO_EXTRA with "auto", gamma otherwise)."""
+    extra = extra if extra is not None else AUTO_EXTRA if gamma == AUTO else gamma
     requests = [
         dataclasses.replace(params, seed=seed, max_new_tokens=DEPTH + extra, ignore_eos=True) for seed in range(runs)
     ]
@@ -320,9 +322,10 @@ def test_auto_with_its_cost_aware_stop_is_lossless(checkpoints, reference_models
     decoder = auto_decoder(checkpoints, threshold=None)
     rounds = spy_on_rounds(decoder, monkeypatch)
     probs = exact_joint(reference_models[0], params)
-    counts, _ = pipeline_counts(decoder, params, AUTO)
+    counts, _ = pipeline_counts(decoder, params, AUTO, extra=STOP_EXTRA)
     assert any(made < asked for asked, made in rounds[1:]), f"no round was cut short: {rounds}"
     assert chi_square_p(counts, probs) > PASS_P
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
-    broken_counts, _ = pipeline_counts(auto_decoder(checkpoints, threshold=None), params, AUTO)  # as the first ran
+    fresh = auto_decoder(checkpoints, threshold=None)  # as the first ran
+    broken_counts, _ = pipeline_counts(fresh, params, AUTO, extra=STOP_EXTRA)
     assert chi_square_p(broken_counts, probs) < REJECT_P

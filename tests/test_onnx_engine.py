@@ -625,12 +625,16 @@ def test_auto_draft_length_is_lossless(
 ) -> None:
     """num_draft_tokens="auto" on ONNX engines (the length of each round chosen from the costs and the
     acceptance so far, up to the engines' limit): the target's exact distribution; and the same run with
-    the residual broken is rejected."""
-    decoder, reference = request.getfixturevalue(pair)
+    the residual broken is rejected. Each run on a decoder of its own: auto's controllers learn across a
+    decoder's requests (a new row starts at the acceptance of those before it), and both runs start alike."""
+    _, reference = request.getfixturevalue(pair)
+    directory = request.getfixturevalue("engine_dirs")[pair]
     probs = exact_joint(reference, WARPINGS[name])
+    decoder = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
     counts, outputs = pipeline_counts(decoder, WARPINGS[name], gamma=AUTO)
     assert sum(o.stats.accepted_tokens for o in outputs) > 0
     assert chi_square_p(counts, probs) > PASS_P
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
-    broken, _ = pipeline_counts(decoder, WARPINGS[name], gamma=AUTO)
+    fresh = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
+    broken, _ = pipeline_counts(fresh, WARPINGS[name], gamma=AUTO)
     assert chi_square_p(broken, probs) < REJECT_P
