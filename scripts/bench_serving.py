@@ -3,9 +3,12 @@
 Closed-loop clients at each concurrency send mixed code, chat and summarisation prompts (128 new tokens, EOS
 ignored so every method makes as many) to one ``SpeculativeDecoder`` (the default engines, lookup-first with
 the int4 self-draft), greedy and sampled. Per concurrency, the methods (plain decoding k=0, fixed k, auto)
-take turns, repeat after repeat, so drifting machine load hits all of them alike. For each it reports total
-output tokens/s, time to first token and inter-token latency p50/p99, and auto against the best other method
-and against plain, by medians and turn by turn; beside them, the same requests served one after another.
+take turns, repeat after repeat, so drifting machine load hits all of them alike; each turn samples with seeds
+of its own, the same for every method, so that a sampled cell averages over draws of text rather than repeating
+one draw per method (a draw's acceptance alone moves tokens/s by more than the targets' 3%: docs/MEASUREMENTS.md).
+It reports total output tokens/s, time to first token and inter-token latency p50/p99, and auto against the best
+other method and against plain, by medians and turn by turn; beside them, the same requests served one after
+another.
 Then: a 1,500-token prompt admitted next to three streaming requests (their inter-token latency while it is
 prefilled in chunks), and the measured cost of a verify pass and a draft step against the number of rows.
 Everything is printed and written as JSON.
@@ -90,10 +93,12 @@ def main(
     for temperature in (float(t) for t in temperatures.split(",")):
         for level in levels:
             count = max(4, level * requests_per_client)
-            batch = [request(prompts, i, temperature, max_new_tokens) for i in range(count)]
             runs: dict = {str(k): [] for k in gammas}
             serial: dict = {str(k): [] for k in gammas}
-            for _ in range(repeats):
+            for turn in range(repeats):
+                # fresh seeds each turn, the same for every method: with one seed set, a fixed k would sample
+                # the same texts turn after turn, and a cell would compare one draw of texts per method
+                batch = [request(prompts, i, temperature, max_new_tokens, seed=turn * count + i) for i in range(count)]
                 for k in gammas:
                     console.print(f"t={temperature} concurrency {level} k={k}")
                     runs[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, level)))
@@ -135,8 +140,8 @@ def mixed_prompts(decoder: SpeculativeDecoder) -> list[list[int]]:
     return encoded
 
 
-def request(prompts: list[list[int]], index: int, temperature: float, max_new_tokens: int) -> tuple:
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=index, ignore_eos=True)
+def request(prompts: list[list[int]], index: int, temperature: float, max_new_tokens: int, seed: int) -> tuple:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, ignore_eos=True)
     return prompts[index % len(prompts)], params
 
 
