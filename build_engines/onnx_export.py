@@ -145,9 +145,7 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
         helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, []),
         helper.make_tensor_value_info("query_seqlens", TensorProto.INT32, ["batch"]),
     ]
-    outputs = [
-        helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "logit_positions", config.vocab_size])
-    ]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, "logit_positions", config.vocab_size])]
     for name in input_names(config.num_layers)[len(STEP_INPUTS) :]:
         inputs.append(helper.make_tensor_value_info(name, graph.dtype, cache_shape))
     for name in output_names(config.num_layers)[1:]:
