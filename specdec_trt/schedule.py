@@ -15,18 +15,21 @@ elsewhere (docs/MEASUREMENTS.md); at a number of rows not yet timed with a chunk
 A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ...
 p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones before it were
 accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence decays per drafted
-token, so the estimates follow the text. A row's prior is the recent acceptance of its kind's drafts over every
-row, so a request joining is judged as the others are from its first round (with a fixed 0.5, new rows under load
-sat out of drafting for their first rounds: docs/MEASUREMENTS.md). The plan maximises the pass's tokens / time over
-g and over j, the rows expected to gain most drafting; g = 0 is a plain step. Counting the whole pass matters under
-load: a plain round of a full batch yields a token per row, and a draft that pays beside one row's token rarely
-pays beside eight. Where plain steps win, a round drafts anyway now and then (a probe) so acceptance keeps being
-measured: after ``probe_every`` plain rounds, or more where the best probe is predicted to lose much (one draft
-beside many plain rows makes the whole pass dearer), so that probes cost about ``PROBE_COST`` of the time; a probe
-drafts no further than planned, and each kind of draft probes on its own. Likewise a row left out while others
-draft joins a drafting round once it has sat out as many rounds as a probe would wait (``overdue``): a row that
-never drafts is never judged, and would keep its estimate for as long as others draft beside it (until its evidence
-faded into the prior).
+token, so the estimates follow the text. A row's prior is the recent acceptance of its kind's drafts over every row,
+so a request joining is judged as the others are from its first round (with a fixed 0.5, new rows under load sat out
+of drafting for their first rounds: docs/MEASUREMENTS.md). How much a row's own evidence counts against that prior
+is measured too: each kind keeps the error with which a few prior weights would have predicted every verdict so far,
+and uses the best: a model draft's rows tend to be accepted alike, so a row's own evidence is mostly noise and a row
+left out on it costs tokens, while greedy prompt lookup's rows differ for good (one text repeats, another never
+does). The plan maximises the pass's tokens / time over g and over j, the rows expected to gain most drafting; g = 0
+is a plain step. Counting the whole pass matters under load: a plain round of a full batch yields a token per row,
+and a draft that pays beside one row's token rarely pays beside eight. Where plain steps win, a round drafts anyway
+now and then (a probe) so acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the
+best probe is predicted to lose much (one draft beside many plain rows makes the whole pass dearer), so that probes
+cost about ``PROBE_COST`` of the time; a probe drafts no further than planned, and each kind of draft probes on its
+own. Likewise a row left out while others draft joins a drafting round once it has sat out as many rounds as a probe
+would wait (``overdue``): a row that never drafts is never judged, and would keep its estimate for as long as others
+draft beside it (until its evidence faded into the prior).
 
 A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
 the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
@@ -43,7 +46,9 @@ import numpy as np
 import torch
 
 FIRST_DRAFT_LENGTH = 4  # the first round, before anything was measured
-PRIOR_TRIALS = 2.0  # a row's prior, worth two drafts: the acceptance of the kind's rows so far (0.5 before any)
+PRIOR_TRIALS = 2.0  # a row's prior, in drafts, before any verdict: the acceptance of the kind's rows so far
+PRIOR_WEIGHTS = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])  # the prior's weights tried against the verdicts
+SELECTION_DECAY = 0.998  # weight of a weight's prediction error per draft judged since (about the last 500)
 POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate, in trials
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
 TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
@@ -206,6 +211,7 @@ class DraftLengthController:
             raise ValueError("max_draft and probe_every must be >= 1")
         self.max_draft, self.first, self.probe_every, self.decay = max_draft, first, probe_every, decay
         self.population = np.zeros(2)  # decayed, over all rows: drafts judged and accepted
+        self.weight_errors = np.zeros(len(PRIOR_WEIGHTS))  # decayed squared error of each weight's predictions
         self.judged = np.zeros(len(CONFIDENCE_BINS) + 1)  # decayed, over all rows: judged drafts per bin
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
@@ -227,11 +233,22 @@ class DraftLengthController:
         judged, accepted = self.population
         return (0.5 + accepted) / (1.0 + judged)
 
-    def acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
-        """Per-row pooled acceptance estimates p_r in (0, 1)."""
+    def prior_weight(self) -> float:
+        """The weight of the prior in a row's estimate, in drafts: of ``PRIOR_WEIGHTS``, the one whose estimates
+        would have predicted the verdicts so far with the least squared error (``PRIOR_TRIALS`` before any)."""
+        if not self.weight_errors.any():
+            return PRIOR_TRIALS
+        return float(PRIOR_WEIGHTS[int(np.argmin(self.weight_errors))])
+
+    def acceptance(self, rows: Sequence[AcceptanceEvidence], weight: float | np.ndarray | None = None) -> np.ndarray:
+        """Per-row pooled acceptance estimates p_r in (0, 1), with the prior worth ``weight`` drafts (default:
+        ``prior_weight``; an array [w]: the estimates [rows, w] under each)."""
         passed = np.array([row.passed.sum() for row in rows])
         reached = np.array([row.reached.sum() for row in rows])
-        return (PRIOR_TRIALS * self.prior_acceptance() + passed) / (PRIOR_TRIALS + reached)
+        weight = np.asarray(self.prior_weight() if weight is None else weight)
+        if weight.ndim:
+            passed, reached = passed[:, None], reached[:, None]
+        return (weight * self.prior_acceptance() + passed) / (weight + reached)
 
     def position_acceptance(self, rows: Sequence[AcceptanceEvidence]) -> np.ndarray:
         """[rows, max_draft] p_ri: acceptance of draft i given the drafts before it were accepted."""
@@ -382,6 +399,7 @@ class DraftLengthController:
         position = np.arange(self.max_draft)[None]
         reached = (position <= accepted[:, None]) & (position < drafted[:, None])  # drafts the verifier judged
         passed = position < accepted[:, None]
+        self._score_weights(rows, reached.sum(1), passed.sum(1))
         for row, r_reached, r_passed, count in zip(rows, reached, passed, drafted):
             fade = self.decay ** max(int(count), 1)  # a plain round fades the evidence as one draft would
             row.reached = fade * row.reached + r_reached
@@ -400,6 +418,16 @@ class DraftLengthController:
             judged = reached[:, :widest]
             np.add.at(self.judged, bins[judged], 1.0)
             np.add.at(self.judged_accepted, bins[judged & passed[:, :widest]], 1.0)
+
+    def _score_weights(self, rows: Sequence[AcceptanceEvidence], judged: np.ndarray, accepted: np.ndarray) -> None:
+        """Add the squared error with which each of ``PRIOR_WEIGHTS`` predicted this round's verdicts (row r:
+        ``judged[r]`` drafts judged, the first ``accepted[r]`` of them accepted), from the evidence before it."""
+        if not judged.any():
+            return
+        estimate = self.acceptance(rows, PRIOR_WEIGHTS)  # [rows, weights]
+        rejected = judged - accepted
+        error = (accepted[:, None] * (1.0 - estimate) ** 2 + rejected[:, None] * estimate**2).sum(0)
+        self.weight_errors = SELECTION_DECAY ** float(judged.sum()) * self.weight_errors + error
 
 
 class CostAwareStop:

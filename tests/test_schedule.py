@@ -20,6 +20,7 @@ from specdec_trt.schedule import (
     FIRST_DRAFT_LENGTH,
     POSITION_SHRINK,
     PRIOR_TRIALS,
+    PRIOR_WEIGHTS,
     PROBE_COST,
     PROBE_EVERY,
     AcceptanceEvidence,
@@ -138,16 +139,18 @@ def test_adapts_when_acceptance_changes() -> None:
 
 def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     """Each row's accepted drafts over the drafts judged, with the acceptance of every row's drafts so far
-    worth PRIOR_TRIALS drafts (0.5 before any draft was judged)."""
+    worth ``prior_weight`` drafts (PRIOR_TRIALS before any verdict; 0.5 before any draft was judged)."""
     controller = DraftLengthController(MAX, decay=0.5)
     rows = evidence(controller, 3)
+    assert controller.prior_weight() == PRIOR_TRIALS
     assert controller.acceptance(rows) == pytest.approx([0.5] * 3)
     controller.observe(4, [2, 4, 0], rows, 0.04, 0.1)
     # row 0: 2 accepted then a rejection (3 judged); row 1: 4 of 4; row 2: rejected at once (1 judged)
     prior = (0.5 + 6) / (1 + 8)  # 6 of the 8 judged drafts accepted, shrunk to 0.5 by one draft
     assert controller.prior_acceptance() == pytest.approx(prior)
     own = [(2, 3), (4, 4), (0, 1)]
-    expected = [(PRIOR_TRIALS * prior + passed) / (PRIOR_TRIALS + judged) for passed, judged in own]
+    weight = controller.prior_weight()
+    expected = [(weight * prior + passed) / (weight + judged) for passed, judged in own]
     assert controller.acceptance(rows) == pytest.approx(expected)
     controller.observe(4, [4, 0], [rows[0], rows[2]], 0.04, 0.1)  # row 1 finished: not updated
     # the evidence decays per drafted token: 0.5 ** 4 after a round of 4 drafts
@@ -155,8 +158,30 @@ def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     prior = (0.5 + 6 * fade + 4) / (1 + 8 * fade + 5)
     assert controller.prior_acceptance() == pytest.approx(prior)
     own = [(2 * fade + 4, 3 * fade + 4), (4, 4), (0, fade + 1)]
-    expected = [(PRIOR_TRIALS * prior + passed) / (PRIOR_TRIALS + judged) for passed, judged in own]
+    weight = controller.prior_weight()
+    expected = [(weight * prior + passed) / (weight + judged) for passed, judged in own]
     assert controller.acceptance(rows) == pytest.approx(expected)
+
+
+def weight_chosen(rates: list[float], rounds: int = 400) -> float:
+    """The prior weight chosen after ``rounds`` rounds in which row r's drafts pass with chance ``rates[r]``
+    (each row drafts 4 a round; a seeded draw)."""
+    generator = np.random.default_rng(0)
+    controller = DraftLengthController(MAX)
+    rows = evidence(controller, len(rates))
+    for _ in range(rounds):
+        passed = generator.random((len(rates), 4)) < np.array(rates)[:, None]
+        accepted = [int(np.argmin(np.r_[row, False])) for row in passed]  # drafts before the first rejection
+        controller.observe(4, accepted, rows, 0.04, 0.1)
+    return controller.prior_weight()
+
+
+def test_the_prior_weighs_most_where_rows_are_accepted_alike() -> None:
+    """Rows whose drafts pass alike differ in their evidence by chance only: the kind's prior predicts each
+    best, and the heaviest weight wins. Rows that differ for good (one text repeats, another does not) are
+    best predicted by their own evidence, and a light weight wins (the control)."""
+    assert weight_chosen([0.8, 0.8]) == PRIOR_WEIGHTS.max()
+    assert weight_chosen([0.95, 0.3]) <= 2.0
 
 
 def test_a_new_row_starts_at_the_acceptance_of_the_rows_before_it() -> None:
@@ -185,7 +210,8 @@ def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
     controller.observe(3, [0], rows, 0.03, 0.1)  # the first draft rejected
     controller.observe(3, [3], rows, 0.03, 0.1)  # all three accepted
     prior = (0.5 + 3) / (1 + 4)  # this row's drafts are all the kind's so far: 3 of 4 accepted
-    pooled = (PRIOR_TRIALS * prior + 3) / (PRIOR_TRIALS + 4)
+    weight = controller.prior_weight()
+    pooled = (weight * prior + 3) / (weight + 4)
     assert controller.acceptance(rows)[0] == pytest.approx(pooled)
     expected = [
         (POSITION_SHRINK * pooled + passed) / (POSITION_SHRINK + reached)
@@ -381,6 +407,7 @@ def test_a_row_left_out_while_others_draft_is_measured_now_and_then() -> None:
 def test_drafts_no_wider_than_the_pass_cost_no_verify() -> None:
     """Where other rows make the pass wide anyway, drafting up to that width costs only the draft's steps."""
     controller = DraftLengthController(MAX, decay=1.0)
+    controller.prior_weight = lambda: PRIOR_TRIALS  # the acceptance this test's costs were set against
     rows = evidence(controller)
     for gamma in (1, 2, 4, 1, 2, 4):
         controller.observe(gamma, [0], rows, 0.0005 * gamma, 0.05 + 0.02 * gamma)
