@@ -3,12 +3,12 @@
 Closed-loop clients at each concurrency send mixed code, chat and summarisation prompts (128 new tokens, EOS
 ignored so every method makes as many) to one ``SpeculativeDecoder`` (the default engines, lookup-first with
 the int4 self-draft), greedy and sampled. Per concurrency, the methods (plain decoding k=0, fixed k, auto)
-take turns, repeat after repeat, so drifting machine load hits all of them alike; each turn samples with seeds
-of its own, the same for every method, so that a sampled cell averages over draws of text rather than repeating
-one draw per method (a draw's acceptance alone moves tokens/s by more than the targets' 3%: docs/MEASUREMENTS.md).
-It reports total output tokens/s, time to first token and inter-token latency p50/p99, and auto against the best
-other method and against plain, by medians and turn by turn; beside them, the same requests served one after
-another.
+take turns, repeat after repeat and each first in turn, so drifting machine load hits all of them alike; each
+turn samples with seeds of its own, the same for every method, so that a sampled cell averages over draws of
+text rather than repeating one draw per method (a draw's acceptance alone moves tokens/s by more than the
+targets' 3%: docs/MEASUREMENTS.md). It reports total output tokens/s, time to first token and inter-token
+latency p50/p99, and auto against the best other method and against plain, by medians and turn by turn (the
+turns' geometric mean with its standard error); beside them, the same requests served one after another.
 Then: a 1,500-token prompt admitted next to three streaming requests (their inter-token latency while it is
 prefilled in chunks), and the measured cost of a verify pass and a draft step against the number of rows.
 Everything is printed and written as JSON.
@@ -99,7 +99,8 @@ def main(
                 # fresh seeds each turn, the same for every method: with one seed set, a fixed k would sample
                 # the same texts turn after turn, and a cell would compare one draw of texts per method
                 batch = [request(prompts, i, temperature, max_new_tokens, seed=turn * count + i) for i in range(count)]
-                for k in gammas:
+                start = turn % len(gammas)  # each method in each place in turn: none always follows the same
+                for k in gammas[start:] + gammas[:start]:
                     console.print(f"t={temperature} concurrency {level} k={k}")
                     runs[str(k)].append(load_summary(*closed_loop(sender(decoder, k), batch, level)))
                     if level == 4:  # the same requests, one after another, as a decoder without batching serves them
@@ -243,7 +244,11 @@ def ratio_cell(compared: dict | None) -> str:
     if compared is None:
         return "-"
     spread = f"{compared['lowest_turn_ratio']:.3f}-{compared['highest_turn_ratio']:.3f}"
-    return f"{compared['ratio_of_medians']:.3f} vs {compared['best']}; {compared['median_turn_ratio']:.3f} ({spread})"
+    mean = f"{compared['geometric_mean_turn_ratio']:.3f} +- {compared['geometric_mean_standard_error']:.3f}"
+    return (
+        f"{compared['ratio_of_medians']:.3f} vs {compared['best']}; {compared['median_turn_ratio']:.3f} ({spread}); "
+        f"{mean}"
+    )
 
 
 def print_tables(data: dict, gammas: list) -> None:
@@ -253,7 +258,7 @@ def print_tables(data: dict, gammas: list) -> None:
         table.add_column("concurrency")
         for k in gammas:
             table.add_column("plain" if k == 0 else f"k={k}")
-        table.add_column("auto / best other: medians; per turn, median (lowest-highest)")
+        table.add_column("auto / best other: medians; per turn, median (lowest-highest); geometric mean +- s.e.")
         table.add_column("auto / plain, the same")
         for row in (r for r in data["load"] if r["temperature"] == temperature):
             cells = []

@@ -75,6 +75,10 @@ def test_against_best_compares_with_the_best_by_median_and_turn_by_turn() -> Non
     assert compared["turn_ratios"] == [0.9, 0.95, 1.2]
     assert compared["median_turn_ratio"] == 0.95
     assert (compared["lowest_turn_ratio"], compared["highest_turn_ratio"]) == (0.9, 1.2)
+    logs = np.log([0.9, 0.95, 1.2])
+    assert compared["geometric_mean_turn_ratio"] == round(float(np.exp(logs.mean())), 3) == 1.009
+    error = np.exp(logs.mean()) * logs.std(ddof=1) / np.sqrt(3)
+    assert compared["geometric_mean_standard_error"] == round(float(error), 3) > 0.05
     assert against_best(methods, "auto", ["0"])["turn_ratios"] == [1.125, 1.056, 1.412]  # against plain alone
 
 

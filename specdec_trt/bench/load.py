@@ -154,9 +154,10 @@ def median_run(repeats: Sequence[dict]) -> dict:
 
 def against_best(methods: dict[str, dict], method: str, others: Sequence[str]) -> dict:
     """``method`` against the best of ``others`` by median tokens/s (each a ``median_run`` result): the
-    ratio of their medians, and the ratio within each turn with its median, lowest and highest. The methods
-    take turns, so a turn's ratio cancels the machine's drift between turns, and the spread of the turns'
-    ratios shows whether the difference stands out from the noise."""
+    ratio of their medians, and the ratio within each turn with its median, lowest, highest, and geometric
+    mean with that mean's standard error (from the spread of the turns' log ratios). The methods take turns,
+    so a turn's ratio cancels the machine's drift between turns, and the standard error says how far the
+    difference stands out from the noise."""
     rate = {name: methods[name]["tokens_per_s_median"] for name in (method, *others)}
     best = max(others, key=rate.__getitem__)
     pairs = zip(methods[method]["repeats"], methods[best]["repeats"])
@@ -168,4 +169,14 @@ def against_best(methods: dict[str, dict], method: str, others: Sequence[str]) -
         "median_turn_ratio": round(statistics.median(turns), 3),
         "lowest_turn_ratio": round(min(turns), 3),
         "highest_turn_ratio": round(max(turns), 3),
+        **geometric_mean_ratio(turns),
     }
+
+
+def geometric_mean_ratio(ratios: Sequence[float]) -> dict:
+    """The geometric mean of ``ratios`` and its standard error (the mean's, propagated from the standard error of
+    the mean log ratio; 0 with one ratio)."""
+    logs = np.log(ratios)
+    mean = float(np.exp(logs.mean()))
+    error = mean * float(logs.std(ddof=1) / np.sqrt(len(logs))) if len(logs) > 1 else 0.0
+    return {"geometric_mean_turn_ratio": round(mean, 3), "geometric_mean_standard_error": round(error, 3)}
