@@ -106,10 +106,11 @@ class SpeculativeDecoder:
     ``num_draft_tokens=0`` (or no drafter) is plain target-only decoding on the same engine: the baseline;
     ``"auto"`` picks the draft length each round (see the module docstring). ``draft_confidence_threshold``
     replaces auto's cost-aware stop with a fixed cut-off (as transformers' ``assistant_confidence_threshold``):
-    a model draft's rounds run up to the limit and end after a token the draft gave less than this probability
-    in every row (0: never); prompt lookup's rounds draft the length auto chooses. ``max_batch_size``,
-    ``max_queue``, ``prefill_chunk`` and ``prefill_chunk_rounds`` set up its ``Scheduler``. The decoder owns its
-    engines: while it serves, nothing else may run them.
+    a model draft's rounds run up to the limit and end after a token the draft drew with less than this
+    probability in every row (from its warped distribution where the row samples; 0: never); prompt lookup's
+    rounds draft the length auto chooses. ``max_batch_size``, ``max_queue``, ``prefill_chunk`` and
+    ``prefill_chunk_rounds`` set up its ``Scheduler``. The decoder owns its engines: while it serves, nothing
+    else may run them.
     """
 
     def __init__(

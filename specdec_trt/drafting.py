@@ -7,8 +7,9 @@ the request ends. It returns the drafted ids with the distributions they were sa
 draft is deterministic, as for prompt lookup or all-greedy rows: q is then one-hot on the drafted token),
 and how many tokens each row drafted (rows may draft different numbers: the verify pass takes each row's own).
 
-Given stop rules, a drafter reports the confidence of every token it drafted (a model draft: its own
-probability of the token; prompt lookup: ``lookup_confidence`` of its match), so the caller can learn how well
+Given stop rules, a drafter reports the confidence of every token it drafted (a model draft: the probability
+it drew the token with, ``drawn_confidence``; prompt lookup: ``lookup_confidence`` of its match), so the caller
+can learn how well
 that confidence predicts acceptance, and asks the rule after each token whether to end the round there. This
 keeps decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits (and on
 the committed prefix and earlier rounds), never on the target's verdict on this round, so every drafted token
@@ -32,7 +33,7 @@ from specdec_trt.sampling import BatchSampler
 MODEL, LOOKUP = "model", "lookup"  # the parts a drafter drafts with (``Drafter.parts``)
 LOOKUP_FIRST_MIN_NGRAM = 2  # shortest match on which lookup-first drafts by lookup rather than by its model
 StopRule = Callable[[torch.Tensor, Sequence[int], np.ndarray], bool]
-"""Asked after each drafted token with the draft's probability of it per row [n], the rows' slots, and which
+"""Asked after each drafted token with the draft's confidence in it per row [n], the rows' slots, and which
 rows are still drafting [n] (bool): True ends the round there."""
 
 
@@ -47,6 +48,25 @@ def confidence_below(threshold: float, exempt: Sequence[int] = ()) -> StopRule:
         return bool((confidence.cpu().numpy()[drafting] < threshold).all())
 
     return rule
+
+
+def drawn_confidence(
+    logits: torch.Tensor, token: torch.Tensor, probs: torch.Tensor | None, sampler: BatchSampler
+) -> torch.Tensor:
+    """A model draft's confidence in each row's drawn ``token`` [n]: its probability under the distribution the
+    row sampled it from (``probs``, already computed), or for a greedy row, whose draw is one-hot, under the
+    softmax of its ``logits`` (``probs`` is None where every row is greedy). Sampled rows so reuse the draw's
+    pass over the vocabulary rather than make another each draft step, and their confidence is in the q that
+    acceptance, min(1, p/q), depends on."""
+    picked = token.unsqueeze(1)
+    if probs is None:
+        return logits.float().softmax(-1).gather(1, picked).squeeze(1)
+    confidence = probs.gather(1, picked).squeeze(1)
+    greedy = [i for i, params in enumerate(sampler.params) if params.greedy]
+    if greedy:
+        rows = to_device(torch.tensor(greedy), logits.device)
+        confidence[rows] = logits[rows].float().softmax(-1).gather(1, picked[rows]).squeeze(1)
+    return confidence
 
 
 def lookup_confidence(match_length: int, count: int) -> np.ndarray:
@@ -189,7 +209,7 @@ class ModelDrafter:
                 dists.append(probs)
             drafting = limits > i
             if stop_rule is not None:
-                confidences.append(logits.float().softmax(-1).gather(1, token.unsqueeze(1)).squeeze(1))
+                confidences.append(drawn_confidence(logits, token, probs, sampler))
                 if stop_rule(confidences[-1], slots, drafting):  # a host sync
                     break  # the token is kept: its logits are paid for, and it may still be accepted
             if i + 1 == limits.max():

@@ -300,20 +300,26 @@ class DraftLengthController:
         plain = np.full((1, self.max_draft + 1), times[0, 0])  # j = 0: a plain round for these rows
         return tokens / np.maximum(np.vstack([plain, times]) + context.fixed_s, 1e-12)
 
-    def plan(self, rows: Sequence[AcceptanceEvidence], remaining: int, context: PassContext | None = None) -> list[int]:
+    def plan(
+        self,
+        rows: Sequence[AcceptanceEvidence],
+        remaining: int,
+        context: PassContext | None = None,
+        tokens: np.ndarray | None = None,
+    ) -> list[int]:
         """The draft length of each row in the next round, at most: the rows expected to gain most draft
         alike and the others none (a draft that reports its confidence is asked for up to the limit whenever
         drafting pays, and ``stop_rule`` ends the round; a probe drafts the length planned for it, so that it
         costs what it was predicted to). ``remaining``: drafts that can still be used (tokens still needed by
         the longest row, less the target's own token). ``context``: the pass these rows join (default: just
-        these rows)."""
+        these rows); ``tokens``: the rows' ``row_tokens``, where the caller has them already."""
         limit = min(self.max_draft, remaining)
         if limit <= 0 or not rows:
             return [0] * len(rows)
         if self.rounds == 0:
             lengths = [min(self.first, limit)] * len(rows)
         else:
-            tokens = self.row_tokens(rows)
+            tokens = self.row_tokens(rows) if tokens is None else tokens
             rates = self._rates(tokens, context or PassContext(len(rows)))[:, : limit + 1]
             self.best_rate = float(rates.max())
             probe = rates[0, 0] >= rates.max() and self.plain_streak >= self.probe_interval(rates) - 1

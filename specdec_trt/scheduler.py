@@ -586,11 +586,11 @@ class Scheduler:
             unplanned -= len(indices)  # the rows of kinds planned later count their own token
             context = self._pass(limits, planned_tokens + unplanned, fixed_s, chunk)
             needed = max(rows[i].remaining - 1 for i in indices)
-            lengths = controller.plan(evidence, min(needed, room), context)
+            tokens = controller.row_tokens(evidence)
+            lengths = controller.plan(evidence, min(needed, room), context, tokens)
             for i, length in zip(indices, lengths):
                 limits[i] = min(length, rows[i].remaining - 1, room)
             drafting = [n for n, i in enumerate(indices) if limits[i] > 0]
-            tokens = controller.row_tokens(evidence)
             planned_tokens += float(sum(tokens[n, limits[i]] for n, i in enumerate(indices)))
             if drafting:
                 slots = [rows[indices[n]].slot for n in drafting]

@@ -157,7 +157,7 @@ class ScriptedSchedule(DraftLengthController):
         super().__init__(max_draft)
         self.round = 0
 
-    def plan(self, rows, remaining: int, context=None) -> list[int]:
+    def plan(self, rows, remaining: int, context=None, tokens=None) -> list[int]:
         self.round += 1
         return [min(SCRIPT[(self.round - 1) % len(SCRIPT)], self.max_draft, remaining)] * len(rows)
 

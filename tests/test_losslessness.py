@@ -141,7 +141,7 @@ class _ReportsUnwarped:
     distribution it drew from."""
 
     def __init__(self, sampler: BatchSampler) -> None:
-        self.sampler, self.all_greedy = sampler, sampler.all_greedy
+        self.sampler, self.all_greedy, self.params = sampler, sampler.all_greedy, sampler.params
 
     def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         token, _ = self.sampler.draw(logits)
@@ -249,18 +249,17 @@ def stopping_threshold(target: torch.nn.Module, draft: torch.nn.Module, params: 
     """A confidence threshold that cuts the first round after its second draft, in a batch of RUNS rows:
     below the best confidence of a first draft that some rows draw (with probability over 1e-3 each), and
     above that of every second draft that can be drawn, so that every row is then unconfident. Drafts start
-    after the target's first token; confidence is the draft's unwarped softmax of the drafted token."""
+    after the target's first token; confidence is the draft's probability of the drafted token under the
+    warped distribution it drew it from."""
     first_tokens = reference_probs(target, [PROMPT], params)[0]
     contexts = [(PROMPT + [t], float(first_tokens[t])) for t in range(VOCAB) if first_tokens[t] > 0]
     best = []
     for depth in range(2):
         prefixes = [prefix for prefix, _ in contexts]
-        with torch.no_grad():
-            confidence = draft(torch.tensor(prefixes)).logits[:, -1].softmax(-1)
         drawn = reference_probs(draft, prefixes, params)
         paths = [(i, x, chance * float(drawn[i, x])) for i, (_, chance) in enumerate(contexts) for x in range(VOCAB)]
         paths = [(i, x, chance) for i, x, chance in paths if chance > (1e-3 if depth == 0 else 0)]
-        best.append(max(float(confidence[i, x]) for i, x, _ in paths))
+        best.append(max(float(drawn[i, x]) for i, x, _ in paths))
         contexts = [(prefixes[i] + [x], chance) for i, x, chance in paths]
     assert best[1] < best[0], f"this draft cannot be cut at its second token: {best}"
     return sum(best) / 2

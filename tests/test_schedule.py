@@ -679,6 +679,43 @@ def test_early_stop_shortens_an_unconfident_round(drafters, params) -> None:
     assert propose(drafters["peaked"], prompts, 5, threshold=0.3, params=params) == 5
 
 
+def test_a_sampled_draft_token_is_judged_by_the_distribution_it_was_drawn_from(drafters) -> None:
+    """A sampled row's confidence in each drafted token is its probability under the warped q the row drew it
+    from (acceptance, min(1, p/q), is in q); a greedy row's, beside it, the softmax of the draft's logits at
+    the token (control: at temperature 0.5 the sampled row's q is not that softmax)."""
+    drafter = drafters["medium"]
+    prompts = [[4, 5, 6], [7, 8, 9, 10]]
+    with torch.no_grad():
+        first = torch.cat([drafter.engine.prefill(torch.tensor([p]), torch.tensor([len(p)])) for p in prompts])
+    drafter.engine.release(0)  # the slot the reference logits were computed in
+    seen = []
+
+    def never_stop(confidence: torch.Tensor, slots, still: np.ndarray) -> bool:
+        seen.append(confidence.clone())
+        return False
+
+    params = [SamplingParams(temperature=0.5, seed=1), SamplingParams()]
+    slots = [0, 1]
+    drafter.reserve(2)
+    for slot in slots:
+        drafter.admit(slot)
+    try:
+        drafter.prefill(slots, [p[:-1] for p in prompts])
+        draft = drafter.propose(slots, prompts, [3, 3], BatchSampler(params, torch.device("cpu")), {MODEL: never_stop})
+    finally:
+        for slot in slots:
+            drafter.release(slot)
+    drawn_q = draft.probs[0].gather(1, draft.token_ids[0].unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(draft.confidence[0], drawn_q)
+    torch.testing.assert_close(torch.stack(seen, 1), draft.confidence)
+    softmax = first.float().softmax(-1)
+    greedy_token = int(draft.token_ids[1, 0])
+    assert greedy_token == int(softmax[1].argmax())
+    torch.testing.assert_close(draft.confidence[1, 0], softmax[1, greedy_token], rtol=1e-4, atol=1e-5)
+    sampled_token = int(draft.token_ids[0, 0])
+    assert abs(float(draft.confidence[0, 0]) - float(softmax[0, sampled_token])) > 1e-3
+
+
 def test_early_stop_needs_every_row_to_be_unconfident(drafters) -> None:
     """Greedy drafts: the draft's confidence is its top probability. With a threshold between two rows'
     confidences, the unconfident row alone stops after one token; beside the confident row it does not."""

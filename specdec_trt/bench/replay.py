@@ -271,10 +271,10 @@ class SampledChains:
     """A sampled model draft along one sampled sequence: row i is the round after ``first + i`` committed
     tokens, one entry per draft depth (up to ``max_draft`` or the tokens left). ``tokens``: the sequence's own
     next tokens, which are the drafts where they were accepted; ``accept``: the chance min(1, q(y) / p(y))
-    that the draft there was accepted, given that the sequence goes on with that token y; ``confidence``: the
-    draft's raw probability of it; ``rejected`` and ``rejected_confidence``: a draft token drawn as a rejected
-    one is distributed (norm(max(0, q - p)); -1 where no draft can be rejected) and the draft's raw
-    probability of it."""
+    that the draft there was accepted, given that the sequence goes on with that token y; ``confidence``: q(y),
+    the draft's confidence as the decoder's drafter reports it (``drawn_confidence``); ``rejected`` and
+    ``rejected_confidence``: a draft token drawn as a rejected one is distributed (norm(max(0, q - p)); -1 where
+    no draft can be rejected) and q of it."""
 
     first: int
     tokens: list[list[int]]
@@ -356,13 +356,12 @@ def record_sampled_chains(
             positions = [min(length + depth, end - 1) for length in chunk]  # rows past their depth: ignored
             y = torch.tensor([sequence[t] for t in positions])[:, None]
             p, q = target_probs[torch.tensor(positions) - first], sampler.probs(draft_logits[None])[0]
-            raw = draft_logits.softmax(-1)
             residual = (q - p).clamp_(min=0)
             rejected = sample_from(residual, torch.rand(len(chunk), generator=generator))
             rejected = torch.where(residual.sum(-1) > 0, rejected, UNJUDGED)
             accept = (q.gather(1, y) / p.gather(1, y)).clamp(max=1)[:, 0]
-            rejected_confidence = raw.gather(1, rejected.clamp(min=0)[:, None])[:, 0]
-            per_depth.append((y[:, 0], accept, raw.gather(1, y)[:, 0], rejected, rejected_confidence))
+            rejected_confidence = q.gather(1, rejected.clamp(min=0)[:, None])[:, 0]
+            per_depth.append((y[:, 0], accept, q.gather(1, y)[:, 0], rejected, rejected_confidence))
             fed = y
         columns = [torch.stack(column, 1) for column in zip(*per_depth)]  # per field: [rows, max depth]
         for name, column in zip(names, columns):
@@ -376,7 +375,7 @@ def sampled_continuation(
 ) -> Continuation:
     """The self-draft going on after a rejected draft token on the sampled ``sequence``: for the round after
     L committed tokens that drafted the sequence's own tokens up to ``depth`` and then ``token``, the draft's
-    raw probability of each token it samples next, one at a time. Each (L, depth) samples with its own seed
+    confidence in each token it samples next (q of it), one at a time. Each (L, depth) samples with its own seed
     derived from ``seed``, so the answer does not depend on the order of the calls. The target's cache is
     filled with the sequence on the first call."""
     prefilled = False
@@ -392,8 +391,8 @@ def sampled_continuation(
         fed = torch.tensor([[token]])
         while True:
             logits = draft.forward(fed)[:, 0].float()
-            drafted, _ = sampler.draw(logits)
-            yield float(logits.softmax(-1)[0, drafted[0]])
+            drafted, probs = sampler.draw(logits)
+            yield float(probs[0, drafted[0]])
             fed = drafted[:, None]
 
     return after_rejected
