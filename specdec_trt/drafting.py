@@ -7,13 +7,12 @@ the request ends. It returns the drafted ids with the distributions they were sa
 draft is deterministic, as for prompt lookup or all-greedy rows: q is then one-hot on the drafted token),
 and how many tokens each row drafted (rows may draft different numbers: the verify pass takes each row's own).
 
-Given stop rules, a drafter reports the confidence of every token it drafted (a model draft: the probability
-it drew the token with, ``drawn_confidence``; prompt lookup: ``lookup_confidence`` of its match), so the caller
-can learn how well
-that confidence predicts acceptance, and asks the rule after each token whether to end the round there. This
-keeps decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits (and on
-the committed prefix and earlier rounds), never on the target's verdict on this round, so every drafted token
-is still a sample from the q it reports, and the rejection sampler's guarantee holds for any draft length
+Given stop rules, a drafter reports the confidence of every token it drafted (a model draft: the probability it
+drew the token with, ``drawn_confidence``; prompt lookup: ``lookup_confidence`` of its match), so the caller can
+learn how well that confidence predicts acceptance, and asks the rule after each token whether to end the round
+there. This keeps decoding lossless: how many tokens are drafted depends only on the draft's own samples and logits
+(and on the committed prefix and earlier rounds), never on the target's verdict on this round, so every drafted
+token is still a sample from the q it reports, and the rejection sampler's guarantee holds for any draft length
 chosen that way.
 """
 
