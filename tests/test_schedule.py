@@ -10,7 +10,7 @@ import torch
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build_engines.checkpoint import load_checkpoint
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
-from specdec_trt.drafting import LOOKUP, MODEL, ModelDrafter, PromptLookupDrafter, confidence_below
+from specdec_trt.drafting import LOOKUP, MODEL, Draft, ModelDrafter, PromptLookupDrafter, StopRule, confidence_below
 from specdec_trt.runtime.torch_engine import TorchEngine
 from specdec_trt.sampling import BatchSampler
 from specdec_trt.schedule import (
@@ -649,21 +649,28 @@ def drafters(make_checkpoint) -> dict[str, ModelDrafter]:
     }
 
 
-def propose(drafter: ModelDrafter, prompts: list[list[int]], num_tokens: int, threshold: float, params=None) -> int:
-    """Drafted tokens of one round after ``prompts`` (the draft prefilled with all but their last token)."""
-    params = params or SamplingParams()
+def draft_round(
+    drafter: ModelDrafter, prompts: list[list[int]], num_tokens: int, stop_rule: StopRule, params: list[SamplingParams]
+) -> Draft:
+    """One round of drafts after ``prompts`` (the draft prefilled with all but their last token), row i sampled
+    with ``params[i]`` and the round ended by ``stop_rule``."""
     slots = list(range(len(prompts)))
     drafter.reserve(len(prompts))
     for slot in slots:
         drafter.admit(slot)
     try:
         drafter.prefill(slots, [p[:-1] for p in prompts])
-        sampler = BatchSampler([params] * len(prompts), torch.device("cpu"))
-        stop_rules = {MODEL: confidence_below(threshold)}
-        draft = drafter.propose(slots, prompts, [num_tokens] * len(prompts), sampler, stop_rules)
+        sampler = BatchSampler(params, torch.device("cpu"))
+        return drafter.propose(slots, prompts, [num_tokens] * len(prompts), sampler, {MODEL: stop_rule})
     finally:
         for slot in slots:
             drafter.release(slot)
+
+
+def propose(drafter: ModelDrafter, prompts: list[list[int]], num_tokens: int, threshold: float, params=None) -> int:
+    """Drafted tokens of one round after ``prompts`` with a fixed confidence cut-off at ``threshold``."""
+    params = params or SamplingParams()
+    draft = draft_round(drafter, prompts, num_tokens, confidence_below(threshold), [params] * len(prompts))
     assert draft.token_ids.shape[0] == len(prompts)
     assert draft.num_drafts.tolist() == [draft.num_tokens] * len(prompts)
     if draft.probs is not None:
@@ -694,17 +701,7 @@ def test_a_sampled_draft_token_is_judged_by_the_distribution_it_was_drawn_from(d
         seen.append(confidence.clone())
         return False
 
-    params = [SamplingParams(temperature=0.5, seed=1), SamplingParams()]
-    slots = [0, 1]
-    drafter.reserve(2)
-    for slot in slots:
-        drafter.admit(slot)
-    try:
-        drafter.prefill(slots, [p[:-1] for p in prompts])
-        draft = drafter.propose(slots, prompts, [3, 3], BatchSampler(params, torch.device("cpu")), {MODEL: never_stop})
-    finally:
-        for slot in slots:
-            drafter.release(slot)
+    draft = draft_round(drafter, prompts, 3, never_stop, [SamplingParams(temperature=0.5, seed=1), SamplingParams()])
     drawn_q = draft.probs[0].gather(1, draft.token_ids[0].unsqueeze(1)).squeeze(1)
     torch.testing.assert_close(draft.confidence[0], drawn_q)
     torch.testing.assert_close(torch.stack(seen, 1), draft.confidence)
