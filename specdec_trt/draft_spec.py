@@ -1,5 +1,6 @@
-"""What the user names as a draft, parsed once: "none", "ngram", "engine", "int4", a path, or "ngram+" before a
-model draft. Every command and the Python API read drafts through ``DraftSpec``."""
+"""What the user asks to draft with, parsed once: the draft ("none", "ngram", "engine", "int4", a path, or
+"ngram+" before a model draft; every command and the Python API read drafts through ``DraftSpec``) and the
+draft length (a number of drafts per round, or "auto")."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ ENGINE = "engine"  # an engine directory's own draft, whatever it was built from
 INT4 = "int4"  # an engine directory's own draft when it is the target quantized to 4 bits
 LOOKUP_FIRST = "ngram+"  # "ngram+<model draft>": prompt lookup where it matches, that model elsewhere
 OWN_DRAFTS = (ENGINE, INT4)
+AUTO = "auto"  # the draft length chosen every round (``specdec_trt.planner``)
+DraftLength = int | str  # a number of drafts per round, or AUTO
 
 
 @dataclass(frozen=True)

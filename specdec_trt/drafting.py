@@ -19,7 +19,7 @@ chosen that way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -29,11 +29,14 @@ from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
 
-MODEL, LOOKUP = "model", "lookup"  # the parts a drafter drafts with (``Drafter.parts``)
+MODEL, LOOKUP = "model", "lookup"  # the kinds of draft a drafter's parts draft with (``Drafter.parts``)
 LOOKUP_FIRST_MIN_NGRAM = 2  # shortest match on which lookup-first drafts by lookup rather than by its model
 StopRule = Callable[[torch.Tensor, Sequence[int], np.ndarray], bool]
 """Asked after each drafted token with the draft's confidence in it per row [n], the rows' slots, and which
 rows are still drafting [n] (bool): True ends the round there."""
+LookupMatch = tuple[int, np.ndarray]
+"""Prompt lookup's match for a row: the matched suffix's length (0: none) and the tokens that followed its latest
+earlier occurrence."""
 
 
 def confidence_below(threshold: float, exempt: Sequence[int] = ()) -> StopRule:
@@ -98,6 +101,28 @@ class Draft:
         return cls(torch.zeros(rows, 0, dtype=torch.int64, device=device), torch.zeros(rows, dtype=torch.int64))
 
 
+@dataclass(frozen=True)
+class Part:
+    """The part of a drafter that drafts a row this round: its ``kind`` (MODEL or LOOKUP), with prompt
+    lookup's ``match`` for the row where lookup drafts it."""
+
+    kind: str
+    match: LookupMatch | None = None
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a round tells the drafter besides each row's limit: the part that drafts each row (``parts``,
+    worked out once a round by ``Drafter.parts``; None for a row that never drafts) and each kind's stop rule
+    (a kind without one drafts every row to its limit)."""
+
+    parts: list[Part | None]
+    stop_rules: dict[str, StopRule] = field(default_factory=dict)
+
+    def subset(self, rows: Sequence[int]) -> DraftPlan:
+        return DraftPlan([self.parts[i] for i in rows], self.stop_rules)
+
+
 class Drafter(Protocol):
     """What the scheduler needs from a draft strategy."""
 
@@ -118,9 +143,9 @@ class Drafter(Protocol):
     def release(self, slot: int) -> None:
         """Stop following ``slot``."""
 
-    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
-        """Which of the drafter's parts would draft each row next (a drafter combining two kinds of draft,
-        with their own acceptance and cost, has "auto" choose a draft length per part)."""
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
+        """Which part drafts each row next, and what it found to draft from (a drafter combining two kinds of
+        draft, with their own acceptance and cost, has "auto" choose a draft length per kind)."""
 
     def propose(
         self,
@@ -128,11 +153,11 @@ class Drafter(Protocol):
         sequences: Sequence[Sequence[int]],
         limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rules: dict[str, StopRule] | None = None,
+        plan: DraftPlan | None = None,
     ) -> Draft:
-        """Draft up to ``limits[i]`` (>= 1) tokens after each committed sequence. Given ``stop_rules`` (per
-        part), a drafter reports each token's confidence and ends a part's round after a token its rule stops
-        at, keeping that token."""
+        """Draft up to ``limits[i]`` (>= 1) tokens after each committed sequence, each row by the part ``plan``
+        names (None: worked out here, no stop rules). Given a stop rule for its kind, a part reports each
+        token's confidence and ends its round after a token its rule stops at, keeping that token."""
 
 
 class ModelDrafter:
@@ -149,7 +174,7 @@ class ModelDrafter:
     copied from the target's cache, so even a long run of tokens the draft never saw (rounds drafted by
     prompt lookup, plain rounds) costs one draft step. Its own keys and values of accepted drafts are replaced
     by the target's too, which took fewer rounds on every bench suite (docs/MEASUREMENTS.md) and makes the
-    draft's proposals depend on the committed text alone, so ``specdec_trt.bench.replay`` replays them exactly.
+    draft's proposals depend on the committed text alone, so ``scripts/benchlib/replay.py`` replays them exactly.
     """
 
     def __init__(self, engine: Engine, cache_from: Engine | None = None) -> None:
@@ -186,8 +211,8 @@ class ModelDrafter:
         self.engine.release(slot)
         del self._cached[slot], self._fed[slot]
 
-    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
-        return [MODEL] * len(sequences)
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
+        return [Part(MODEL)] * len(sequences)
 
     def propose(
         self,
@@ -195,9 +220,9 @@ class ModelDrafter:
         sequences: Sequence[Sequence[int]],
         limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rules: dict[str, StopRule] | None = None,
+        plan: DraftPlan | None = None,
     ) -> Draft:
-        stop_rule = None if stop_rules is None else stop_rules.get(MODEL)
+        stop_rule = None if plan is None else plan.stop_rules.get(MODEL)
         limits = np.asarray(limits, dtype=np.int64)
         logits = self._catch_up(slots, sequences)
         tokens, dists, confidences = [], [], []
@@ -302,8 +327,9 @@ class PromptLookupDrafter:
     def release(self, slot: int) -> None:
         """Prompt lookup keeps no state."""
 
-    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
-        return [LOOKUP] * len(sequences)
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
+        """Each row's match (one search of its sequence a round: the draft copies from it)."""
+        return [Part(LOOKUP, self.match(np.asarray(s, dtype=np.int64), len(s))) for s in sequences]
 
     def propose(
         self,
@@ -311,12 +337,13 @@ class PromptLookupDrafter:
         sequences: Sequence[Sequence[int]],
         limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rules: dict[str, StopRule] | None = None,
+        plan: DraftPlan | None = None,
     ) -> Draft:
         """Given a stop rule for LOOKUP, the copied tokens report ``lookup_confidence`` and the round ends
         after the first token the rule stops at (``sampler`` is not needed: the drafts are deterministic)."""
-        matches = [self.match(np.asarray(s, dtype=np.int64), int(k)) for s, k in zip(sequences, limits)]
-        return self.draft_from(matches, slots, sequences, None if stop_rules is None else stop_rules.get(LOOKUP))
+        parts = self.parts(sequences) if plan is None else plan.parts
+        matches = [(part.match[0], part.match[1][: int(k)]) for part, k in zip(parts, limits)]
+        return self.draft_from(matches, slots, sequences, None if plan is None else plan.stop_rules.get(LOOKUP))
 
     def draft_from(
         self,
@@ -404,9 +431,9 @@ class LookupFirstDrafter:
     def release(self, slot: int) -> None:
         self.model.release(slot)
 
-    def parts(self, sequences: Sequence[Sequence[int]]) -> list[str]:
-        found = [self.lookup.match(np.asarray(s, dtype=np.int64), 1)[0] for s in sequences]
-        return [LOOKUP if length else MODEL for length in found]
+    def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
+        matches = [self.lookup.match(np.asarray(s, dtype=np.int64), len(s)) for s in sequences]
+        return [Part(LOOKUP, match) if match[0] else Part(MODEL) for match in matches]
 
     def propose(
         self,
@@ -414,12 +441,12 @@ class LookupFirstDrafter:
         sequences: Sequence[Sequence[int]],
         limits: Sequence[int],
         sampler: BatchSampler,
-        stop_rules: dict[str, StopRule] | None = None,
+        plan: DraftPlan | None = None,
     ) -> Draft:
-        by_lookup = [part == LOOKUP for part in self.parts(sequences)]
+        plan = DraftPlan(self.parts(sequences)) if plan is None else plan
         drafts: list[tuple[list[int], Draft]] = []
-        for part, drafter in ((LOOKUP, self.lookup), (MODEL, self.model)):
-            rows = [i for i, lookup in enumerate(by_lookup) if lookup == (part == LOOKUP)]
+        for kind, drafter in ((LOOKUP, self.lookup), (MODEL, self.model)):
+            rows = [i for i, part in enumerate(plan.parts) if part.kind == kind]
             if rows:
                 picked = (
                     [slots[i] for i in rows],
@@ -427,7 +454,7 @@ class LookupFirstDrafter:
                     [limits[i] for i in rows],
                     sampler.subset(rows),
                 )
-                drafts.append((rows, drafter.propose(*picked, stop_rules)))
+                drafts.append((rows, drafter.propose(*picked, plan.subset(rows))))
         return merge_drafts(drafts, len(sequences))
 
 

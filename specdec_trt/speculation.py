@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec_trt.drafting import Draft, Drafter, StopRule, merge_drafts, pad_right
+from specdec_trt.drafting import Draft, Drafter, DraftPlan, merge_drafts, pad_right
 from specdec_trt.rejection import greedy_verify, rejection_sample
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
@@ -49,19 +49,21 @@ def speculative_round(
     sequences: Sequence[Sequence[int]],
     limits: Sequence[int],
     sampler: BatchSampler,
-    stop_rules: dict[str, StopRule] | None = None,
+    plan: DraftPlan | None = None,
     riders: Sequence[tuple[int, Sequence[int]]] = (),
 ) -> RoundResult:
-    """Draft up to ``limits[i]`` tokens for row i (none where 0), verify all rows in one target pass and
-    accept each row's longest valid prefix plus one token. ``riders``: prefill chunks (slot, tokens) that
-    the verify pass takes too. One host synchronisation, reading the result."""
+    """Draft up to ``limits[i]`` tokens for row i (none where 0; ``plan``: the part drafting each row and the
+    stop rules), verify all rows in one target pass and accept each row's longest valid prefix plus one
+    token. ``riders``: prefill chunks (slot, tokens) that the verify pass takes too. One host synchronisation,
+    reading the result."""
     tick = time.perf_counter()
     drafting = [i for i, k in enumerate(limits) if k > 0]
     draft = Draft.empty(len(slots), target.device)
     if drafting:
         picked = [slots[i] for i in drafting], [sequences[i] for i in drafting], [limits[i] for i in drafting]
         rows = sampler if len(drafting) == len(slots) else sampler.subset(drafting)
-        draft = merge_drafts([(drafting, drafter.propose(*picked, rows, stop_rules))], len(slots))
+        subset = None if plan is None else plan.subset(drafting)
+        draft = merge_drafts([(drafting, drafter.propose(*picked, rows, subset))], len(slots))
     tock = time.perf_counter()
     # Queued now, read after the round's sync: reading the confidences would otherwise sync again.
     confidence = None if draft.confidence is None else HostCopy(draft.confidence.float())

@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 from conftest import FAMILIES
 
-import specdec_trt.scheduler
+import specdec_trt.planner
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build_engines.checkpoint import load_checkpoint
 from specdec_trt.decoder import AUTO
+from specdec_trt.draft_length import DraftLengthController
 from specdec_trt.drafting import LookupFirstDrafter, ModelDrafter, StopRule, confidence_below
 from specdec_trt.runtime.torch_engine import TorchEngine
-from specdec_trt.schedule import DraftLengthController
 
 PROMPTS = ["hello world", "the quick brown fox", "a", "speculative decoding is fun. speculative"]
 MAX_DRAFT = 8
@@ -153,8 +153,8 @@ class ScriptedSchedule(DraftLengthController):
     """Stands in for the "auto" controller: a fixed cycle of draft lengths with runs of plain rounds, so
     the draft's catch-up on rounds it did not run is exercised deterministically."""
 
-    def __init__(self, max_draft: int) -> None:
-        super().__init__(max_draft)
+    def __init__(self, max_draft: int, costs=None) -> None:
+        super().__init__(max_draft, costs)
         self.round = 0
 
     def plan(self, rows, remaining: int, context=None, tokens=None) -> list[int]:
@@ -170,7 +170,7 @@ class ScriptedSchedule(DraftLengthController):
 
 @pytest.fixture
 def scripted_schedule(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(specdec_trt.scheduler, "DraftLengthController", ScriptedSchedule)
+    monkeypatch.setattr(specdec_trt.planner, "DraftLengthController", ScriptedSchedule)
 
 
 def assert_scripted_greedy_lossless(decoder: SpeculativeDecoder, prompts: list[str], params: SamplingParams) -> None:

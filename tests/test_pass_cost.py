@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec_trt.pass_cost import PassCost, pass_features
+from specdec_trt.costs import PassCost, pass_features
 
 FIXED, PER_ROW, PER_WIDE_ROW, PER_TOKEN, PER_ATTENDED = 0.012, 0.002, 0.0015, 0.0012, 6e-7  # about SmolLM2-135M
 TRUE = [FIXED, PER_ROW, PER_WIDE_ROW, PER_TOKEN, PER_ATTENDED]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdec_trt import SamplingParams
-from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, lookup_confidence
+from specdec_trt.drafting import LOOKUP, MODEL, DraftPlan, PromptLookupDrafter, lookup_confidence
 from specdec_trt.loading import load_engines
 from specdec_trt.sampling import BatchSampler
 
@@ -97,14 +97,15 @@ def test_a_stop_rule_sees_each_position_and_cuts_the_round() -> None:
         drafting.append(still.tolist())
         return len(seen) == 3
 
-    draft = drafter.propose(slots, sequences, limits, None, {LOOKUP: stop_after_third})
+    parts = drafter.parts(sequences)
+    draft = drafter.propose(slots, sequences, limits, None, DraftPlan(parts, {LOOKUP: stop_after_third}))
     assert draft.token_ids.tolist() == [[3, 4, 5], [9, 8, 8]]
     assert draft.num_drafts.tolist() == [3, 2]  # the second row's third token is padding
     expected = [[2 / 3, 3 / 4, 4 / 5], [1 / 2, 2 / 3, 0.0]]
     torch.testing.assert_close(draft.confidence, torch.tensor(expected))
     np.testing.assert_allclose(seen, np.transpose(expected), rtol=1e-6)
     assert drafting == [[True, True], [True, True], [True, False]]
-    never = drafter.propose(slots, sequences, limits, None, {LOOKUP: lambda confidence, slots, still: False})
+    never = drafter.propose(slots, sequences, limits, None, DraftPlan(parts, {LOOKUP: lambda *_: False}))
     assert never.num_tokens == 5 and never.confidence.shape == (2, 5)
     assert never.num_drafts.tolist() == [5, 2]
     plain = drafter.propose(slots, sequences, limits, None)
@@ -121,10 +122,16 @@ def test_bad_ngram_bounds_are_refused(max_ngram: int, min_ngram: int) -> None:
 def test_lookup_first_drafts_by_lookup_only_after_a_match_of_two_tokens(make_checkpoint) -> None:
     checkpoint = make_checkpoint(family="llama")
     _, _, drafter = load_engines(checkpoint, f"ngram+{checkpoint}")
-    assert drafter.parts([[5, 6, 7, 1, 5]]) == [MODEL]  # one token matches: the model drafts
-    assert drafter.parts([[5, 6, 7, 5, 6]]) == [LOOKUP]
+
+    def kinds(sequences: list[list[int]]) -> list[str]:
+        return [part.kind for part in drafter.parts(sequences)]
+
+    assert kinds([[5, 6, 7, 1, 5]]) == [MODEL]  # one token matches: the model drafts
+    assert kinds([[5, 6, 7, 5, 6]]) == [LOOKUP]
     sequences = [[5, 6, 7, 5, 6], [5, 6, 7, 1, 5]]
-    assert drafter.parts(sequences) == [LOOKUP, MODEL]  # each row by its own match, whatever shares the batch
+    assert kinds(sequences) == [LOOKUP, MODEL]  # each row by its own match, whatever shares the batch
+    lookup = drafter.parts(sequences)[0].match
+    assert lookup[0] == 2 and lookup[1].tolist() == [7, 5, 6]  # the match, and what followed it
     # In one round: the first row drafts by lookup, the second with the model, as it would alone.
     slots = [0, 1]
     drafter.reserve(len(slots))

@@ -30,20 +30,15 @@ from transformers import AutoModelForCausalLM
 import specdec_trt.rejection
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest, build
-from specdec_trt.draft_spec import DraftSpec
-from specdec_trt.drafting import ModelDrafter
+from specdec_trt.costs import Costs, PassContext, PassCost, pass_features
+from specdec_trt.draft_spec import AUTO, DraftSpec
+from specdec_trt.drafting import LOOKUP, ModelDrafter, PromptLookupDrafter
 from specdec_trt.loading import load_engines, open_engine_directory
-from specdec_trt.pass_cost import pass_features
+from specdec_trt.planner import DraftPlanner
+from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS, MIN_PREFILL_CHUNK, PrefillPolicy, PrefillQueue
+from specdec_trt.request import GenerationError, QueueFullError, Request, SchedulerClosedError
 from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.sampling import BatchSampler
-from specdec_trt.scheduler import (
-    AUTO,
-    DEFAULT_PREFILL_CHUNK_ROUNDS,
-    MIN_PREFILL_CHUNK,
-    GenerationError,
-    QueueFullError,
-    SchedulerClosedError,
-)
 
 SIZE = {"hidden_size": 64, "head_dim": 16}  # exportable to ONNX
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -114,7 +109,7 @@ def test_a_finished_request_leaves_the_batch_at_once(make_decoder) -> None:
     params = [dataclasses.replace(GREEDY, max_new_tokens=n) for n in (2, 12)]
     short, long = decoder.submit_batch(["hi", "hello there"], params, 2)
     long.result()
-    rounds = [request for kind, request in decoder.scheduler.events if kind == "round"]
+    rounds = [event.request_id for event in decoder.scheduler.events if event.kind == "round"]
     last_short = max(i for i, r in enumerate(rounds) if r == short.request_id)
     assert short.result().finish_reason == "length"
     assert rounds[last_short + 1 :] and set(rounds[last_short + 1 :]) == {long.request_id}
@@ -176,6 +171,22 @@ def test_a_full_queue_is_a_clear_error(make_decoder) -> None:
     assert waiting.result().token_ids == solo(decoder, "hello there", GREEDY, 2)
 
 
+def test_a_request_cancelled_while_waiting_leaves_the_queue_at_once(make_decoder) -> None:
+    """A waiting request that is cancelled ends, and frees its place in the queue, while the slots are still
+    busy: the queue takes another request at once."""
+    decoder = make_decoder(max_batch_size=1, max_queue=1)
+    running = decoder.submit("the cat sat on the mat", dataclasses.replace(GREEDY, max_new_tokens=100), 0)
+    next(iter(running))  # it holds the only slot, for a hundred plain rounds
+    leaving = decoder.submit("hello there", GREEDY, 2)
+    assert decoder.scheduler.num_waiting == 1
+    leaving.cancel()
+    assert leaving.result(timeout=60).finish_reason == "cancelled" and leaving.output.token_ids == []
+    assert not running.done and decoder.scheduler.num_waiting == 0
+    after = decoder.submit("quiet", GREEDY, 2)  # the queue of one has room again
+    running.cancel()
+    assert after.result().token_ids == solo(decoder, "quiet", GREEDY, 2)
+
+
 def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_decoder) -> None:
     """With a prefill chunk of 8 tokens, a 102-token prompt takes 13 chunks; the two requests already decoding
     get a round after every one of them (the order of events, not their timing)."""
@@ -188,51 +199,183 @@ def test_a_long_prompt_is_prefilled_between_the_running_requests_rounds(make_dec
     assert len(decoder.tokenize(prompt)) == 102
     arriving = decoder.submit(prompt, GREEDY, 2)
     arriving.result()
-    prefills = [i for i, (kind, r) in enumerate(events) if kind == "prefill" and r == arriving.request_id]
+    prefills = [i for i, (kind, r, _) in enumerate(events) if kind == "prefill" and r == arriving.request_id]
     assert len(prefills) == 13
+    assert [events[i].tokens for i in prefills] == [8] * 12 + [6]
     for before, after in zip(prefills, prefills[1:]):
-        between = {r for kind, r in events[before:after] if kind == "round"}
+        between = {r for kind, r, _ in events[before:after] if kind == "round"}
         assert {h.request_id for h in runners} <= between, f"no round between chunks at events {before}-{after}"
     for handle in runners:
         handle.cancel()
 
 
 FIXED, PER_ROW, PER_WIDE_ROW, PER_TOKEN = 0.013, 0.002, 0.001, 0.0014
+ROUND_S = 0.0425
 
 
-def seed_pass_cost(scheduler) -> None:
+def timed_passes(packed: bool) -> PassCost:
     """Passes of 1 and 2 rows of several widths, timed as FIXED + PER_ROW * rows + PER_TOKEN * tokens, and
     PER_WIDE_ROW * rows more where the rows take several tokens."""
+    passes = PassCost(decay=0.95, packed=packed)
     for rows in (1, 2):
         for tokens in (1, 10, 50, 100):
             per_row = PER_ROW + PER_WIDE_ROW * (tokens > 1)
-            scheduler._pass_cost.add([0] * rows, [tokens] * rows, FIXED + per_row * rows + PER_TOKEN * rows * tokens)
+            passes.add([0] * rows, [tokens] * rows, FIXED + per_row * rows + PER_TOKEN * rows * tokens)
+    return passes
 
 
-def chunk_fitting(scheduler, seconds: float) -> float:
+def chunk_fitting(seconds: float, packed: bool) -> float:
     """Tokens of a chunk taking ``seconds``: beside one decoding row in its pass (which it makes wide) where the
     target packs rows, in a pass of its own where it pads them."""
-    if scheduler.target.packs_rows:
+    if packed:
         return (seconds - PER_ROW - 2 * PER_WIDE_ROW) / PER_TOKEN
     return (seconds - FIXED - PER_ROW - PER_WIDE_ROW) / PER_TOKEN
 
 
-def test_a_prefill_chunk_takes_about_a_round(make_decoder) -> None:
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_prefill_chunk_takes_about_a_round(packed: bool) -> None:
     """Beside decoding requests a chunk holds as many prompt tokens as take a round's time (by default), from
     the passes timed so far: what it adds to the round's pass where the target packs rows (ONNX Runtime), a
-    pass of its own, fixed cost included, where it pads them; never more than prefill_chunk, never fewer
-    than MIN_PREFILL_CHUNK."""
-    scheduler = make_decoder(prefill_chunk=256).scheduler
-    assert scheduler.prefill_chunk_rounds == DEFAULT_PREFILL_CHUNK_ROUNDS == 1.0
-    assert scheduler._chunk_budget() == 256  # nothing timed yet
-    seed_pass_cost(scheduler)
-    scheduler._round_s = 0.0425
-    fitting = chunk_fitting(scheduler, 0.0425)  # 27 or 18 tokens (the fit may round one below)
-    assert int(fitting) - 1 <= scheduler._chunk_budget() <= int(fitting)
-    scheduler._round_s = 0.5
-    assert scheduler._chunk_budget() == 256
-    scheduler._round_s = 0.004
-    assert scheduler._chunk_budget() == MIN_PREFILL_CHUNK
+    pass of its own, fixed cost included, where it pads them; never more than the policy's chunk, never fewer
+    than MIN_PREFILL_CHUNK; with nothing decoding, no limit."""
+    policy, beside_one = PrefillPolicy(chunk=256), PrefillQueue(decoding=1, prompts=1, cached=0)
+    assert policy.chunk_rounds == DEFAULT_PREFILL_CHUNK_ROUNDS == 1.0
+    assert policy.budget(PassCost(0.95, packed), None, beside_one) == 256  # nothing timed yet
+    passes = timed_passes(packed)
+    fitting = chunk_fitting(ROUND_S, packed)  # 27 or 18 tokens (the fit may round one below)
+    assert int(fitting) - 1 <= policy.budget(passes, ROUND_S, beside_one) <= int(fitting)
+    assert policy.budget(passes, 0.5, beside_one) == 256
+    assert policy.budget(passes, 0.004, beside_one) == MIN_PREFILL_CHUNK
+    assert policy.budget(passes, ROUND_S, PrefillQueue(decoding=0, prompts=1, cached=0)) is None
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(packed: bool) -> None:
+    """Three prompts waiting beside one decoding stream are prefilled in chunks of three rounds' time (each
+    chunk holds up one stream, each round three prompts); beside three streams, in chunks of one round."""
+    policy, passes = PrefillPolicy(chunk=256), timed_passes(packed)
+    burst = policy.budget(passes, ROUND_S, PrefillQueue(decoding=1, prompts=3, cached=0))
+    fitting = chunk_fitting(3 * ROUND_S, packed)
+    assert int(fitting) - 1 <= burst <= int(fitting)
+    one = policy.budget(passes, ROUND_S, PrefillQueue(decoding=1, prompts=1, cached=0))
+    assert burst > 2 * one
+    beside_three = policy.budget(passes, ROUND_S, PrefillQueue(decoding=3, prompts=3, cached=0))
+    assert beside_three < burst
+
+
+def prefill_steps(events: list) -> list[int]:
+    """The prompt tokens each step prefilled: a step's chunks are recorded one event a row, together."""
+    steps: list[int] = []
+    for previous, event in zip([None, *events], events):
+        if event.kind == "prefill":
+            if previous is None or previous.kind != "prefill":
+                steps.append(0)
+            steps[-1] += event.tokens
+    return steps
+
+
+def test_the_scheduler_sizes_a_bursts_chunks_by_the_prompts_waiting(make_decoder) -> None:
+    """Through the scheduler, passes priced at 0.1 ms a computed token and rounds at 4 ms each (so chunk
+    lengths follow from these times, not from the machine's): a prompt arriving beside one stream is
+    prefilled in chunks of about one round's time, three prompts arriving together in chunks about three
+    times as long."""
+    decoder = make_decoder(prefill_chunk=256)
+    costs = decoder.scheduler.costs
+    add_pass, add_round = costs.passes.add, costs.add_round
+    costs.passes.add = lambda cached, widths, seconds: add_pass(
+        cached, widths, 1e-4 * float(pass_features(cached, widths, costs.packed)[3])
+    )
+    costs.add_round = lambda seconds: add_round(0.004)
+    prompt = "the cat sat on the mat, " * 3 + "and on the mat"  # 86 tokens
+    first_steps = []
+    for prompts in ([prompt], [prompt] * 3):
+        decoder.scheduler.events = events = []
+        stream = decoder.submit("hello there", dataclasses.replace(GREEDY, max_new_tokens=100), 2)
+        next(iter(stream))
+        for handle in decoder.submit_batch(prompts, GREEDY, 2):
+            handle.result()
+        stream.cancel()
+        first_steps.append(prefill_steps(events)[1])  # the step after the stream's own prompt
+    one, burst = first_steps
+    assert MIN_PREFILL_CHUNK <= one < 86 and burst > 2 * one, first_steps
+
+
+def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(make_decoder) -> None:
+    """Twice the rounds' time, chunks take twice the time; no bound: chunks of prefill_chunk tokens, and the
+    long prompt of the interleaving test is prefilled in as few passes as that allows."""
+    beside_one = PrefillQueue(decoding=1, prompts=1, cached=0)
+    budget = PrefillPolicy(chunk=256, chunk_rounds=2.0).budget(timed_passes(True), ROUND_S, beside_one)
+    fitting = chunk_fitting(2 * ROUND_S, True)  # 57 tokens (the fit may round one below)
+    assert int(fitting) - 1 <= budget <= int(fitting)
+    assert PrefillPolicy(chunk=40, chunk_rounds=None).budget(timed_passes(True), ROUND_S, beside_one) == 40
+    decoder = make_decoder(prefill_chunk=40, prefill_chunk_rounds=None)
+    decoder.scheduler.events = events = []
+    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), 2)
+    for handle in runners:
+        next(iter(handle))
+    arriving = decoder.submit("the cat sat on the mat, " * 4 + "and on", GREEDY, 2)  # 102 tokens
+    arriving.result()
+    chunks = [tokens for kind, r, tokens in events if kind == "prefill" and r == arriving.request_id]
+    assert chunks == [40, 40, 22]
+    for handle in runners:
+        handle.cancel()
+    with pytest.raises(ValueError, match="prefill_chunk_rounds must be > 0 or None"):
+        make_decoder(prefill_chunk_rounds=0)
+
+
+@pytest.mark.parametrize("rounds", [DEFAULT_PREFILL_CHUNK_ROUNDS, None])
+def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_decoder, rounds) -> None:
+    """What auto weighs a round's drafts against beyond its passes: where chunks run in passes of their own
+    (the PyTorch engine), while a prompt is prefilled in chunks beside the round, the fixed cost of the chunk's
+    pass each round brings (more tokens per round, fewer chunks), and nothing once no prompt is waiting; with
+    chunks not bounded by rounds, their number does not depend on the rounds. Where chunks ride in the
+    round's own pass (ONNX Runtime), they bring no pass of their own, and nothing."""
+    decoder = make_decoder(prefill_chunk=16, prefill_chunk_rounds=rounds)
+    scheduler = decoder.scheduler
+    scheduler.events = events = []
+    long_prompt = "the cat sat on the mat, " * 4 + "and on"  # 102 tokens
+    arriving: list = []
+    seen = []
+    plan = scheduler.planner.plan
+
+    def spy(rows, chunk=False, chunk_follows=False):
+        prefilled = sum(e.tokens for e in events if e.kind == "prefill" and arriving and e.request_id == arriving[0])
+        seen.append((chunk_follows, 0 < prefilled < 102))  # between its first chunk and its last
+        return plan(rows, chunk, chunk_follows)
+
+    scheduler.planner.plan = spy
+    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), AUTO)
+    for handle in runners:
+        next(iter(handle))
+    handle = decoder.submit(long_prompt, dataclasses.replace(GREEDY, max_new_tokens=16), AUTO)
+    arriving.append(handle.request_id)
+    handle.result()
+    for handle in runners:
+        handle.cancel()
+    beside = [follows for follows, prefilling in seen if prefilling]
+    alone = [follows for follows, prefilling in seen[-3:] if not prefilling]
+    assert len(beside) >= 3 and alone
+    assert not any(alone)
+    chunk_counts = not (rounds is None or scheduler.target.packs_rows)
+    assert all(follows == chunk_counts for follows in beside)
+
+
+def test_a_round_that_a_chunk_pass_follows_is_planned_with_that_pass_fixed_cost() -> None:
+    """The planner prices the pass of a prefill chunk that follows the round as a fixed cost of the round:
+    the fixed cost of a pass, as the timings fit it; nothing where no such pass follows."""
+    costs = Costs(packed=False)
+    costs.passes = timed_passes(packed=False)
+    planner, contexts = DraftPlanner(PromptLookupDrafter(), 8, 128, costs), []
+    lookup = planner.controllers[LOOKUP]
+    plan = lookup.plan
+    lookup.plan = lambda rows, remaining, context=None, tokens=None: (
+        contexts.append(context) or plan(rows, remaining, context, tokens)
+    )
+    row = Request.create(0, [5, 6, 5, 6, 5], GREEDY, AUTO, 0.0, None, frozenset(), lambda request_id: None)
+    row.slot = 0
+    for follows in (True, False):
+        planner.plan([row], chunk_follows=follows)
+    assert [context.fixed_s for context in contexts] == [pytest.approx(FIXED), 0.0]
 
 
 def test_chunks_ride_in_the_rounds_pass_where_the_target_packs_rows(make_decoder) -> None:
@@ -268,104 +411,13 @@ def test_chunks_ride_in_the_rounds_pass_where_the_target_packs_rows(make_decoder
     assert runner.result().token_ids == expected
 
 
-def test_a_burst_of_prompts_beside_one_stream_gets_longer_chunks(make_decoder) -> None:
-    """Three prompts arriving beside one decoding stream are prefilled in chunks of three rounds' time (each
-    chunk holds up one stream, each round three prompts); one prompt beside it, in chunks of one round. The
-    passes are recorded at 0.1 ms a computed token: a tiny model's real passes can leave the fit no cost per
-    token (timer noise), and then no chunk length follows from a time."""
-    decoder = make_decoder(prefill_chunk=256)
-    scheduler = decoder.scheduler
-    cost = scheduler._pass_cost
-    record = cost.add
-    cost.add = lambda cached, widths, seconds: record(
-        cached, widths, 1e-4 * float(pass_features(cached, widths, cost.packed)[3])
-    )
-    budgets = []
-    measure = scheduler._chunk_budget
-
-    def spy() -> int:
-        budget = measure()
-        waiting = len(scheduler._waiting) + sum(not r.decoding for r in scheduler._active.values())
-        beside = max(sum(r.decoding for r in scheduler._active.values()), 1) if scheduler.target.packs_rows else 0
-        one_round = scheduler._pass_cost.longest_chunk(0, scheduler._round_s, beside)
-        three_rounds = scheduler._pass_cost.longest_chunk(0, 3 * scheduler._round_s, beside)
-        budgets.append((waiting, budget, one_round, three_rounds))
-        return budget
-
-    scheduler._chunk_budget = spy
-    stream = decoder.submit("hello there", dataclasses.replace(GREEDY, max_new_tokens=60), 2)
-    next(iter(stream))
-    for handle in decoder.submit_batch(["the cat sat on the mat, the cat"] * 3, GREEDY, 2):
-        handle.result()
-    stream.cancel()
-    burst = [b for b in budgets if b[0] == 3]
-    assert burst, budgets
-    waiting, budget, one_round, three_rounds = burst[0]
-    assert budget == min(256, max(MIN_PREFILL_CHUNK, three_rounds)) and three_rounds > one_round
-
-
-def test_prefill_chunk_rounds_trades_the_streams_pauses_for_fewer_longer_chunks(make_decoder) -> None:
-    """Twice the rounds' time, chunks take twice the time; no bound: chunks of prefill_chunk tokens, and the
-    long prompt of the interleaving test is prefilled in as few passes as that allows."""
-    scheduler = make_decoder(prefill_chunk=256, prefill_chunk_rounds=2.0).scheduler
-    seed_pass_cost(scheduler)
-    scheduler._round_s = 0.0425
-    fitting = chunk_fitting(scheduler, 2 * 0.0425)  # 57 or 49 tokens (the fit may round one below)
-    assert int(fitting) - 1 <= scheduler._chunk_budget() <= int(fitting)
-    decoder = make_decoder(prefill_chunk=40, prefill_chunk_rounds=None)
-    decoder.scheduler.events = events = []
-    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), 2)
-    for handle in runners:
-        next(iter(handle))
-    arriving = decoder.submit("the cat sat on the mat, " * 4 + "and on", GREEDY, 2)  # 102 tokens
-    arriving.result()
-    assert [r for kind, r in events if kind == "prefill"].count(arriving.request_id) == 3  # 40 + 40 + 22
-    for handle in runners:
-        handle.cancel()
-    with pytest.raises(ValueError, match="prefill_chunk_rounds must be > 0 or None"):
-        make_decoder(prefill_chunk_rounds=0)
-
-
-@pytest.mark.parametrize("rounds", [DEFAULT_PREFILL_CHUNK_ROUNDS, None])
-def test_rounds_beside_a_prompt_being_chunked_count_the_chunks_fixed_cost(make_decoder, rounds) -> None:
-    """What auto weighs a round's drafts against beyond its passes: where chunks run in passes of their own
-    (the PyTorch engine), while a prompt is prefilled in chunks beside the round, the fixed cost of the chunk's
-    pass each round brings (more tokens per round, fewer chunks), and nothing once no prompt is waiting; with
-    chunks not bounded by rounds, their number does not depend on the rounds. Where chunks ride in the
-    round's own pass (ONNX Runtime), they bring no pass of their own, and nothing."""
-    decoder = make_decoder(prefill_chunk=16, prefill_chunk_rounds=rounds)
-    scheduler = decoder.scheduler
-    seen = []
-    scheduler.on_round = lambda seconds, drafted: seen.append(
-        (
-            scheduler._round_fixed_s(),
-            float(scheduler._pass_cost.coefficients()[0]),
-            any(not r.decoding for r in scheduler._active.values()),
-        )
-    )
-    runners = decoder.submit_batch(["hello there", "quiet"], dataclasses.replace(GREEDY, max_new_tokens=60), AUTO)
-    for handle in runners:
-        next(iter(handle))
-    long_prompt = "the cat sat on the mat, " * 4 + "and on"  # 102 tokens
-    decoder.submit(long_prompt, dataclasses.replace(GREEDY, max_new_tokens=16), AUTO).result()
-    for handle in runners:
-        handle.cancel()
-    beside = [(fixed, chunk) for fixed, chunk, prefilling in seen if prefilling]
-    alone = [fixed for fixed, _, prefilling in seen[-3:] if not prefilling]
-    assert len(beside) >= 3 and alone
-    assert all(fixed == 0 for fixed in alone)
-    chunk_counts = 0 if rounds is None or scheduler.target.packs_rows else 1
-    assert all(fixed == pytest.approx(chunk_counts * chunk) for fixed, chunk in beside)
-    assert not chunk_counts or any(chunk > 0 for _, chunk in beside)
-
-
 def test_auto_plans_the_verify_pass_as_the_target_computes_it(make_decoder, request) -> None:
     """ONNX Runtime packs a pass's tokens, so rows drafting 4, 0 and 2 make it compute 2 drafts per row; the
     PyTorch engine pads every row to the widest, 4. Rounds are recorded at that width too."""
     decoder = make_decoder()
     packed = "onnxruntime" in request.node.callspec.id
     assert decoder.scheduler.target.packs_rows is packed
-    context = decoder.scheduler._pass([4, 0, 2], tokens=1.0)
+    context = PassContext.of([4, 0, 2], decoder.scheduler.target.packs_rows, tokens=1.0)
     assert (context.rows, context.drafts, context.width, context.packed) == (3, 6, 4, packed)
     assert float(context.drafts_per_row(0, 0)) == (2.0 if packed else 4.0)
     assert context.drafts_per_row(1, np.array([0, 8])).tolist() == ([2.0, 14 / 3] if packed else [4, 8])
@@ -464,6 +516,7 @@ def shared_batch_counts(decoder: SpeculativeDecoder, params: SamplingParams) -> 
     return np.bincount(codes, minlength=VOCAB**DEPTH)
 
 
+@pytest.mark.slow
 def test_sampled_output_keeps_the_exact_distribution_in_a_changing_batch(lossless_models, monkeypatch) -> None:
     """The chi-square test of the core (DESIGN.md) on requests that share the batch with others that join
     and leave; the same run with the residual distribution broken is rejected."""

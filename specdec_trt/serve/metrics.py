@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from specdec_trt.scheduler import FINISH_REASONS, GenerationOutput
+from specdec_trt.request import FINISH_REASONS, GenerationOutput
 
 PREFIX = "specdec:"
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5, 7.5, 10, 20, 40, 80)

@@ -8,7 +8,7 @@ import time
 import uuid
 from typing import Any
 
-from specdec_trt.scheduler import GenerationOutput
+from specdec_trt.request import GenerationOutput
 from specdec_trt.serve.protocol import CHAT, APIError
 from specdec_trt.stats import GenerationStats
 

@@ -9,11 +9,9 @@ import torch
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build_engines.checkpoint import load_checkpoint
+from specdec_trt.costs import Costs, DecayedLine, PassContext
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS
-from specdec_trt.drafting import LOOKUP, MODEL, Draft, ModelDrafter, PromptLookupDrafter, StopRule, confidence_below
-from specdec_trt.runtime.torch_engine import TorchEngine
-from specdec_trt.sampling import BatchSampler
-from specdec_trt.schedule import (
+from specdec_trt.draft_length import (
     CALIBRATION_SHRINK,
     CONFIDENCE_BINS,
     CONFIDENCE_PRIOR,
@@ -24,10 +22,23 @@ from specdec_trt.schedule import (
     PROBE_COST,
     PROBE_EVERY,
     AcceptanceEvidence,
-    DecayedLine,
     DraftLengthController,
-    PassContext,
 )
+from specdec_trt.drafting import (
+    LOOKUP,
+    MODEL,
+    Draft,
+    DraftPlan,
+    ModelDrafter,
+    Part,
+    PromptLookupDrafter,
+    StopRule,
+    confidence_below,
+)
+from specdec_trt.planner import DraftPlanner
+from specdec_trt.request import Request
+from specdec_trt.runtime.torch_engine import TorchEngine
+from specdec_trt.sampling import BatchSampler
 
 MAX = 8
 
@@ -35,6 +46,31 @@ MAX = 8
 def evidence(controller: DraftLengthController, batch: int = 1) -> list[AcceptanceEvidence]:
     """Fresh evidence for ``batch`` rows, each kept by its row from round to round."""
     return [controller.evidence() for _ in range(batch)]
+
+
+def record(
+    controller: DraftLengthController,
+    num_drafted,
+    num_accepted: list[int],
+    rows: list[AcceptanceEvidence],
+    draft_s: float | None,
+    verify_s: float,
+    confidence: np.ndarray | None = None,
+    pass_rows: int | None = None,
+    pass_width: float | None = None,
+    chunk: bool = False,
+) -> None:
+    """One round as the scheduler and the planner record it: its verify pass in the controller's costs, at
+    ``pass_rows`` rows computing ``pass_width`` drafts a row (defaults: these rows, the widest row's drafts;
+    ``chunk``: with a prefill chunk riding in it), its drafting seconds in the controller's drafting lines
+    (None: not these rows' own), and its verdicts."""
+    drafted = np.broadcast_to(np.asarray(num_drafted), (len(rows),))
+    widest = int(drafted.max(initial=0))
+    if widest and draft_s is not None:
+        controller.drafting.add(int((drafted > 0).sum()), widest, draft_s)
+    width = widest if pass_width is None else pass_width
+    controller.costs.lines(chunk).add(pass_rows or len(rows), width, verify_s)
+    controller.observe(num_drafted, num_accepted, rows, confidence)
 
 
 def feed(
@@ -54,7 +90,7 @@ def feed(
         chosen.append(gamma)
         accepted = [int(accept * gamma)] * len(rows)
         a, b = verify_s
-        controller.observe(gamma, accepted, rows, gamma * draft_step_s, a + b * gamma)
+        record(controller, gamma, accepted, rows, gamma * draft_step_s, a + b * gamma)
     return chosen
 
 
@@ -144,7 +180,7 @@ def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     rows = evidence(controller, 3)
     assert controller.prior_weight() == PRIOR_TRIALS
     assert controller.acceptance(rows) == pytest.approx([0.5] * 3)
-    controller.observe(4, [2, 4, 0], rows, 0.04, 0.1)
+    record(controller, 4, [2, 4, 0], rows, 0.04, 0.1)
     # row 0: 2 accepted then a rejection (3 judged); row 1: 4 of 4; row 2: rejected at once (1 judged)
     prior = (0.5 + 6) / (1 + 8)  # 6 of the 8 judged drafts accepted, shrunk to 0.5 by one draft
     assert controller.prior_acceptance() == pytest.approx(prior)
@@ -152,7 +188,7 @@ def test_acceptance_is_a_decayed_geometric_estimate_with_a_prior() -> None:
     weight = controller.prior_weight()
     expected = [(weight * prior + passed) / (weight + judged) for passed, judged in own]
     assert controller.acceptance(rows) == pytest.approx(expected)
-    controller.observe(4, [4, 0], [rows[0], rows[2]], 0.04, 0.1)  # row 1 finished: not updated
+    record(controller, 4, [4, 0], [rows[0], rows[2]], 0.04, 0.1)  # row 1 finished: not updated
     # the evidence decays per drafted token: 0.5 ** 4 after a round of 4 drafts
     fade = 0.5**4
     prior = (0.5 + 6 * fade + 4) / (1 + 8 * fade + 5)
@@ -172,7 +208,7 @@ def weight_chosen(rates: list[float], rounds: int = 400) -> float:
     for _ in range(rounds):
         passed = generator.random((len(rates), 4)) < np.array(rates)[:, None]
         accepted = [int(np.argmin(np.r_[row, False])) for row in passed]  # drafts before the first rejection
-        controller.observe(4, accepted, rows, 0.04, 0.1)
+        record(controller, 4, accepted, rows, 0.04, 0.1)
     return controller.prior_weight()
 
 
@@ -191,9 +227,9 @@ def test_a_new_row_starts_at_the_acceptance_of_the_rows_before_it() -> None:
     controller = DraftLengthController(MAX, decay=0.97)
     old = evidence(controller)
     for n in range(30):
-        controller.observe(4, [1 if n % 10 == 0 else 4], old, 4 * 0.05, 0.1 + 4 * 0.01)
-        controller.observe(2, [2], old, 2 * 0.05, 0.1 + 2 * 0.01)
-        controller.observe(0, [0], old, None, 0.1)
+        record(controller, 4, [1 if n % 10 == 0 else 4], old, 4 * 0.05, 0.1 + 4 * 0.01)
+        record(controller, 2, [2], old, 2 * 0.05, 0.1 + 2 * 0.01)
+        record(controller, 0, [0], old, None, 0.1)
     assert controller.prior_acceptance() > 0.85
     new = evidence(controller)
     assert controller.acceptance(new)[0] == pytest.approx(controller.prior_acceptance())
@@ -207,8 +243,8 @@ def test_per_position_acceptance_is_shrunk_to_the_pooled_rate() -> None:
     POSITION_SHRINK trials; drafts never reached take the pooled rate."""
     controller = DraftLengthController(4, decay=1.0)
     rows = evidence(controller)
-    controller.observe(3, [0], rows, 0.03, 0.1)  # the first draft rejected
-    controller.observe(3, [3], rows, 0.03, 0.1)  # all three accepted
+    record(controller, 3, [0], rows, 0.03, 0.1)  # the first draft rejected
+    record(controller, 3, [3], rows, 0.03, 0.1)  # all three accepted
     prior = (0.5 + 3) / (1 + 4)  # this row's drafts are all the kind's so far: 3 of 4 accepted
     weight = controller.prior_weight()
     pooled = (weight * prior + 3) / (weight + 4)
@@ -227,8 +263,8 @@ def test_bursty_acceptance_drafts_longer_than_a_single_rate_would() -> None:
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller)
     for n in range(20):
-        controller.observe(6, [0 if n % 2 else 6], rows, 6 * 0.02, 0.10 + 6 * 0.005)
-    controller.observe(2, [0], rows, 2 * 0.02, 0.11)  # a second length, so the verify slope is known
+        record(controller, 6, [0 if n % 2 else 6], rows, 6 * 0.02, 0.10 + 6 * 0.005)
+    record(controller, 2, [0], rows, 2 * 0.02, 0.11)  # a second length, so the verify slope is known
     position = controller.position_acceptance(rows)[0]
     assert position[0] < 0.6 and position[1:6].min() > 0.9
     p = controller.acceptance(rows)[0]
@@ -243,9 +279,9 @@ def test_short_drafts_do_not_starve_the_estimate() -> None:
     short, long = DraftLengthController(MAX), DraftLengthController(MAX)
     short_row, long_row = evidence(short), evidence(long)
     for _ in range(80):
-        short.observe(1, [1], short_row, 0.01, 0.1)
+        record(short, 1, [1], short_row, 0.01, 0.1)
     for _ in range(10):
-        long.observe(8, [8], long_row, 0.08, 0.1)
+        record(long, 8, [8], long_row, 0.08, 0.1)
     assert short.acceptance(short_row)[0] == pytest.approx(long.acceptance(long_row)[0], abs=0.01)
     assert short.acceptance(short_row)[0] > 0.95
 
@@ -253,14 +289,14 @@ def test_short_drafts_do_not_starve_the_estimate() -> None:
 def test_cost_model_is_fitted_from_the_rounds() -> None:
     controller = DraftLengthController(MAX)
     rows = evidence(controller)
-    controller.observe(2, [2], rows, 0.02, 0.11)
-    controller.observe(2, [1], rows, 0.02, 0.11)
-    assert controller.costs.verify_cost(1) == pytest.approx((0.11, 0.0))  # one draft length seen: no slope yet
-    assert controller.costs.draft_cost(1) == pytest.approx((0.0, 0.01))  # and drafting all per token
-    controller.observe(6, [1], rows, 0.06, 0.13)
-    controller.observe(0, [0], rows, 0.0, 0.10)
-    assert controller.costs.verify_cost(1) == pytest.approx((0.10, 0.005))
-    assert controller.costs.draft_cost(1) == pytest.approx((0.0, 0.01))
+    record(controller, 2, [2], rows, 0.02, 0.11)
+    record(controller, 2, [1], rows, 0.02, 0.11)
+    assert controller.costs.verify.cost(1) == pytest.approx((0.11, 0.0))  # one draft length seen: no slope yet
+    assert controller.drafting.at(1) == pytest.approx((0.0, 0.01))  # and drafting all per token
+    record(controller, 6, [1], rows, 0.06, 0.13)
+    record(controller, 0, [0], rows, 0.0, 0.10)
+    assert controller.costs.verify.cost(1) == pytest.approx((0.10, 0.005))
+    assert controller.drafting.at(1) == pytest.approx((0.0, 0.01))
 
 
 def test_costs_are_fitted_per_number_of_rows_and_interpolated_between_them() -> None:
@@ -268,17 +304,17 @@ def test_costs_are_fitted_per_number_of_rows_and_interpolated_between_them() -> 
     the line of the nearest observed ones, interpolated (extrapolated past them); a round whose verify pass
     has more rows than draft pays the draft at its own rows and the verify at the pass's."""
     controller = DraftLengthController(MAX)
-    costs = controller.costs
-    assert costs.verify_cost(3) == (0.0, 0.0) and costs.draft_cost(3) == (0.0, 0.0)  # nothing observed yet
+    verify, drafting = controller.costs.verify, controller.drafting
+    assert verify.cost(3) == (0.0, 0.0) and drafting.at(3) == (0.0, 0.0)  # nothing observed yet
     for rows, (a, b) in {1: (0.10, 0.002), 4: (0.16, 0.008)}.items():
         for gamma in (1, 3):
-            costs.add_verify(rows, gamma, a + b * gamma)
-            costs.add_draft(rows, gamma, 0.01 * rows * gamma)
-    assert costs.verify_cost(1) == pytest.approx((0.10, 0.002)) and costs.verify_cost(4) == pytest.approx((0.16, 0.008))
-    assert costs.verify_cost(2) == pytest.approx((0.12, 0.004))  # a third of the way from 1 row to 4
-    assert costs.verify_cost(8) == pytest.approx((0.24, 0.016))  # extrapolated past the largest count
-    assert costs.draft_cost(2) == pytest.approx((0.0, 0.02))
-    (d, c), (a, b) = costs.draft_cost(1), costs.verify_cost(4)
+            verify.add(rows, gamma, a + b * gamma)
+            drafting.add(rows, gamma, 0.01 * rows * gamma)
+    assert verify.cost(1) == pytest.approx((0.10, 0.002)) and verify.cost(4) == pytest.approx((0.16, 0.008))
+    assert verify.cost(2) == pytest.approx((0.12, 0.004))  # a third of the way from 1 row to 4
+    assert verify.cost(8) == pytest.approx((0.24, 0.016))  # extrapolated past the largest count
+    assert drafting.at(2) == pytest.approx((0.0, 0.02))
+    (d, c), (a, b) = drafting.at(1), verify.cost(4)
     assert controller.round_time(1, PassContext(4)) == pytest.approx(
         [a] + [d + g * (c + b) + a for g in range(1, MAX + 1)]
     )
@@ -290,8 +326,8 @@ def test_a_fixed_drafting_cost_per_round_is_separated_from_the_per_token_cost() 
     controller = DraftLengthController(MAX)
     rows = evidence(controller)
     for gamma in (1, 2, 4, 1, 2, 4):
-        controller.observe(gamma, [gamma], rows, 0.004 + 0.01 * gamma, 0.1 + 0.002 * gamma)
-    (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
+        record(controller, gamma, [gamma], rows, 0.004 + 0.01 * gamma, 0.1 + 0.002 * gamma)
+    (d, c), (a, b) = controller.drafting.at(1), controller.costs.verify.cost(1)
     assert (d, c, a, b) == pytest.approx((0.004, 0.01, 0.1, 0.002))
     assert controller.round_time(1) == pytest.approx([a] + [d + g * (c + b) + a for g in range(1, MAX + 1)])
 
@@ -302,7 +338,7 @@ def test_choice_maximises_expected_tokens_per_second() -> None:
     controller = DraftLengthController(MAX)
     rows = evidence(controller, 2)
     feed(controller, rows, 3, accept=0.5, draft_step_s=0.03)
-    controller.observe(4, [4, 0], rows, 0.12, 0.12)  # the rows now differ
+    record(controller, 4, [4, 0], rows, 0.12, 0.12)  # the rows now differ
     p = controller.position_acceptance(rows)
 
     def tokens(r: int, g: int) -> float:
@@ -329,9 +365,9 @@ def test_a_full_pass_drafts_less_than_its_rows_alone_would() -> None:
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller, 3)
     for gamma in (1, 2, 4, 1, 2, 4):
-        controller.observe(gamma, [gamma // 2] * 3, rows, 0.002 + 0.004 * gamma, 0.03 + 0.004 * gamma, pass_rows=3)
-        controller.costs.add_verify(8, gamma, 0.04 + 0.012 * gamma)
-    controller.costs.add_verify(8, 0, 0.04)
+        record(controller, gamma, [gamma // 2] * 3, rows, 0.002 + 0.004 * gamma, 0.03 + 0.004 * gamma, pass_rows=3)
+        controller.costs.verify.add(8, gamma, 0.04 + 0.012 * gamma)
+    controller.costs.verify.add(8, 0, 0.04)
     assert max(controller.plan(rows, 100)) > 0  # alone
     assert controller.plan(rows, 100, PassContext(8, tokens=5.0)) == [0, 0, 0]
 
@@ -343,7 +379,7 @@ def test_a_fixed_cost_per_round_makes_drafting_pay_sooner() -> None:
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller)
     for gamma in (1, 2, 4, 1, 2, 4):
-        controller.observe(gamma, [0], rows, 0.012 * gamma, 0.02 + 0.002 * gamma)
+        record(controller, gamma, [0], rows, 0.012 * gamma, 0.02 + 0.002 * gamma)
     rows[0].passed[:], rows[0].reached[:] = 60.0, 100.0
     assert controller.plan(rows, 100, PassContext(1)) == [0]
     assert controller.plan(rows, 100, PassContext(1, fixed_s=0.03))[0] > 0
@@ -357,8 +393,8 @@ def test_rows_whose_drafts_do_not_pay_draft_none_beside_rows_whose_do() -> None:
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller, 2)
     for gamma in (2, 4, 2, 4, 2, 4):
-        controller.observe(gamma, [gamma, 0], rows, 0.01 + 0.01 * gamma, 0.05 + 0.002 * gamma)
-        controller.costs.add_draft(1, gamma, 0.005 + 0.005 * gamma)  # one row drafts at half the cost
+        record(controller, gamma, [gamma, 0], rows, 0.01 + 0.01 * gamma, 0.05 + 0.002 * gamma)
+        controller.drafting.add(1, gamma, 0.005 + 0.005 * gamma)  # one row drafts at half the cost
     lengths = controller.plan(rows, 100)
     assert lengths[0] > 0 and lengths[1] == 0
     assert controller.plan(rows[::-1], 100) == lengths[::-1]  # whatever the rows' order
@@ -373,8 +409,8 @@ def left_out_row_plans(later_accept: bool, measure_left_out: bool = True) -> lis
         controller.overdue = lambda *args: set()
     rows = evidence(controller, 2)
     for gamma in (2, 4) * 3:
-        controller.observe(gamma, [gamma, 0], rows, 0.01 + 0.01 * gamma, 0.05 + 0.002 * gamma)
-        controller.costs.add_draft(1, gamma, 0.005 + 0.005 * gamma)
+        record(controller, gamma, [gamma, 0], rows, 0.01 + 0.01 * gamma, 0.05 + 0.002 * gamma)
+        controller.drafting.add(1, gamma, 0.005 + 0.005 * gamma)
     plans = []
     for _ in range(100):
         lengths = controller.plan(rows, 100)
@@ -382,7 +418,7 @@ def left_out_row_plans(later_accept: bool, measure_left_out: bool = True) -> lis
         drafting = sum(g > 0 for g in lengths)
         draft_s = 0.005 * drafting * (1 + max(lengths)) if drafting else None
         accepted = [lengths[0], lengths[1] if later_accept else 0]
-        controller.observe(lengths, accepted, rows, draft_s, 0.05 + 0.002 * max(lengths))
+        record(controller, lengths, accepted, rows, draft_s, 0.05 + 0.002 * max(lengths))
     return plans
 
 
@@ -410,8 +446,8 @@ def test_drafts_no_wider_than_the_pass_cost_no_verify() -> None:
     controller.prior_weight = lambda: PRIOR_TRIALS  # the acceptance this test's costs were set against
     rows = evidence(controller)
     for gamma in (1, 2, 4, 1, 2, 4):
-        controller.observe(gamma, [0], rows, 0.0005 * gamma, 0.05 + 0.02 * gamma)
-    (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
+        record(controller, gamma, [0], rows, 0.0005 * gamma, 0.05 + 0.02 * gamma)
+    (d, c), (a, b) = controller.drafting.at(1), controller.costs.verify.cost(1)
     assert controller.round_time(1, PassContext(1, width=4)) == pytest.approx(
         [a + 4 * b] + [d + c * g + a + b * max(g, 4) for g in range(1, MAX + 1)]
     )
@@ -425,9 +461,9 @@ def test_a_packed_pass_charges_a_row_its_own_drafts() -> None:
     quarter of what it costs padded."""
     controller = DraftLengthController(MAX, decay=1.0)
     for gamma in (1, 3):
-        controller.costs.add_verify(4, gamma, 0.02 + 0.04 * gamma)
-        controller.costs.add_draft(1, gamma, 0.002 * gamma)
-    (d, c), (a, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(4)
+        controller.costs.verify.add(4, gamma, 0.02 + 0.04 * gamma)
+        controller.drafting.add(1, gamma, 0.002 * gamma)
+    (d, c), (a, b) = controller.drafting.at(1), controller.costs.verify.cost(4)
     g = np.arange(MAX + 1)
     packed = PassContext(4, drafts=2, width=2, packed=True)
     assert controller.round_time(1, packed) == pytest.approx((g > 0) * (d + c * g) + a + b * (2 + g) / 4)
@@ -443,9 +479,9 @@ def one_row_accepting_70_percent_beside_three(
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller)
     for gamma in (1, 4, 1, 4):
-        controller.costs.add_verify(4, gamma, 0.03 + 0.006 * gamma)
-        controller.costs.add_draft(1, gamma, 0.001 + 0.001 * gamma)
-    controller.observe(4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=pass_width)
+        controller.costs.verify.add(4, gamma, 0.03 + 0.006 * gamma)
+        controller.drafting.add(1, gamma, 0.001 + 0.001 * gamma)
+    record(controller, 4, [4], rows, 0.005, 0.054, pass_rows=4, pass_width=pass_width)
     rows[0].passed[:], rows[0].reached[:] = 70.0, 100.0
     return controller, rows
 
@@ -467,15 +503,26 @@ def test_passes_carrying_a_prefill_chunk_are_priced_by_their_own_lines() -> None
     plain, chunk = PassContext(4, tokens=3.0, packed=True), PassContext(4, tokens=3.0, packed=True, chunk=True)
     assert controller.round_time(1, chunk) == pytest.approx(controller.round_time(1, plain))
     assert controller.plan(rows, 100, chunk)[0] > 0
-    lines = controller.costs.verify_cost(4), controller.costs.plain_cost(4)
+    lines = controller.costs.verify.cost(4), controller.costs.verify.plain_cost(4)
     for width in (0.25, 1.0, 0.25, 1.0):
-        controller.observe(
-            0, [0], evidence(controller), None, 0.03 + 0.03 * width, pass_rows=4, chunk=True, pass_width=width
+        record(
+            controller,
+            0,
+            [0],
+            evidence(controller),
+            None,
+            0.03 + 0.03 * width,
+            pass_rows=4,
+            chunk=True,
+            pass_width=width,
         )
-    controller.observe(0, [0], evidence(controller), None, 0.03, pass_rows=4, pass_width=0.0, chunk=True)
-    assert controller.chunk_costs.verify_cost(4) == pytest.approx((0.03, 0.03))
-    assert controller.chunk_costs.plain_cost(4) == pytest.approx(0.03)
-    assert (controller.costs.verify_cost(4), controller.costs.plain_cost(4)) == lines  # the others' lines are kept
+    record(controller, 0, [0], evidence(controller), None, 0.03, pass_rows=4, pass_width=0.0, chunk=True)
+    assert controller.costs.verify_beside_chunk.cost(4) == pytest.approx((0.03, 0.03))
+    assert controller.costs.verify_beside_chunk.plain_cost(4) == pytest.approx(0.03)
+    assert (
+        controller.costs.verify.cost(4),
+        controller.costs.verify.plain_cost(4),
+    ) == lines  # the others' lines are kept
     assert controller.plan(rows, 100, chunk) == [0]
     assert controller.plan(rows, 100, plain)[0] > 0
 
@@ -488,7 +535,7 @@ def test_a_packed_stop_rule_charges_only_the_rows_still_drafting() -> None:
     rows = evidence(controller, 2)
     for gamma in (2, 4, 2, 4):
         confidence = np.tile([0.99, 0.99, 0.6, 0.6], (2, 1))[:, :gamma]
-        controller.observe(gamma, [min(gamma, 3)] * 2, rows, 0.0002 * gamma, 0.02 + 0.003 * gamma, confidence)
+        record(controller, gamma, [min(gamma, 3)] * 2, rows, 0.0002 * gamma, 0.02 + 0.003 * gamma, confidence)
     slots = [0, 1]
     padded = controller.stop_rule(slots, rows, PassContext(4))
     packed = controller.stop_rule(slots, rows, PassContext(4, packed=True))
@@ -510,7 +557,7 @@ def test_a_pass_without_drafts_costs_its_own_mean() -> None:
     controller = DraftLengthController(MAX, decay=1.0)
     measured = {0: 0.032, 1: 0.045, 2: 0.047, 4: 0.050, 8: 0.059}  # a pass of 8 rows after 450 tokens, by x
     for x, seconds in measured.items():
-        controller.costs.add_verify(8, x, seconds)
+        controller.costs.verify.add(8, x, seconds)
     time = controller.round_time(1, PassContext(8, width=0))  # one row drafting g in a padded pass: x = g
     assert time[0] == pytest.approx(0.032) and time[1] == pytest.approx(0.045, abs=0.002)
     single = DecayedLine(1.0, through_origin=False)
@@ -525,14 +572,14 @@ def test_rounds_are_timed_at_the_pass_width_and_the_drafting_rows() -> None:
     round whose drafting seconds include other rows' drafting times only the pass."""
     controller = DraftLengthController(MAX, decay=1.0)
     rows = evidence(controller, 3)
-    controller.observe([2, 0, 0], [1, 0, 0], rows, 0.02, 0.3, pass_rows=5, pass_width=6)
-    controller.observe([0, 0, 0], [0, 0, 0], rows, None, 0.1, pass_rows=5, pass_width=0)
-    controller.observe([1, 0, 0], [1, 0, 0], rows, 0.01, 0.25, pass_rows=5, pass_width=1)
-    assert controller.costs.verify_cost(5) == pytest.approx((0.24, 0.01))  # passes with drafts: x = 1 and 6
-    assert controller.costs.plain_cost(5) == pytest.approx(0.1)  # the pass without: its own
-    assert set(controller.costs.drafting) == {1} and controller.costs.draft_cost(1) == pytest.approx((0.0, 0.01))
-    controller.observe([4, 4, 0], [0, 0, 0], rows, None, 0.1, pass_rows=5, pass_width=4)
-    assert set(controller.costs.drafting) == {1}  # its drafting seconds were not its own
+    record(controller, [2, 0, 0], [1, 0, 0], rows, 0.02, 0.3, pass_rows=5, pass_width=6)
+    record(controller, [0, 0, 0], [0, 0, 0], rows, None, 0.1, pass_rows=5, pass_width=0)
+    record(controller, [1, 0, 0], [1, 0, 0], rows, 0.01, 0.25, pass_rows=5, pass_width=1)
+    assert controller.costs.verify.cost(5) == pytest.approx((0.24, 0.01))  # passes with drafts: x = 1 and 6
+    assert controller.costs.verify.plain_cost(5) == pytest.approx(0.1)  # the pass without: its own
+    assert set(controller.drafting.lines) == {1} and controller.drafting.at(1) == pytest.approx((0.0, 0.01))
+    record(controller, [4, 4, 0], [0, 0, 0], rows, None, 0.1, pass_rows=5, pass_width=4)
+    assert set(controller.drafting.lines) == {1}  # its drafting seconds were not its own
 
 
 def test_confidence_is_calibrated_per_bin_on_the_drafts_the_verifier_judged() -> None:
@@ -540,7 +587,7 @@ def test_confidence_is_calibrated_per_bin_on_the_drafts_the_verifier_judged() ->
     confidence; each bin's acceptance is shrunk to the bin's middle with CALIBRATION_SHRINK trials."""
     controller = DraftLengthController(MAX, decay=1.0)
     confidence = np.array([[0.99, 0.2, 0.8, 0.8], [0.6, 0.95, 0.99, 0.1]])
-    controller.observe(4, [1, 4], evidence(controller, 2), 0.04, 0.1, confidence)
+    record(controller, 4, [1, 4], evidence(controller, 2), 0.04, 0.1, confidence)
     # row 0: 0.99 accepted, 0.2 rejected, the rest never judged; row 1: all four judged and accepted
     bins = np.searchsorted(CONFIDENCE_BINS, [0.99, 0.2, 0.6, 0.95, 0.99, 0.1], side="right")
     judged, accepted = np.zeros(len(CONFIDENCE_BINS) + 1), np.zeros(len(CONFIDENCE_BINS) + 1)
@@ -557,10 +604,10 @@ def test_a_draft_reporting_confidence_is_asked_for_the_limit_and_prompt_lookup_f
     with_confidence, without = DraftLengthController(MAX), DraftLengthController(MAX)
     confident_row, row = evidence(with_confidence), evidence(without)
     for _ in range(6):
-        with_confidence.observe(2, [1], confident_row, 0.02, 0.1 + 0.002 * 2, np.array([[0.9, 0.5]]))
-        without.observe(2, [1], row, 0.02, 0.1 + 0.002 * 2)
-    without.observe(1, [1], row, 0.01, 0.1 + 0.002)
-    with_confidence.observe(1, [1], confident_row, 0.01, 0.1 + 0.002, np.array([[0.9]]))
+        record(with_confidence, 2, [1], confident_row, 0.02, 0.1 + 0.002 * 2, np.array([[0.9, 0.5]]))
+        record(without, 2, [1], row, 0.02, 0.1 + 0.002 * 2)
+    record(without, 1, [1], row, 0.01, 0.1 + 0.002)
+    record(with_confidence, 1, [1], confident_row, 0.01, 0.1 + 0.002, np.array([[0.9]]))
     chosen = int(np.argmax(without.rates(row)[1]))
     assert 1 <= chosen < MAX
     assert without.plan(row, 100) == [chosen]
@@ -568,7 +615,7 @@ def test_a_draft_reporting_confidence_is_asked_for_the_limit_and_prompt_lookup_f
     hopeless = DraftLengthController(MAX)
     hopeless_row = evidence(hopeless)
     feed(hopeless, hopeless_row, 12, accept=0.0, draft_step_s=0.08)
-    hopeless.observe(1, [0], hopeless_row, 0.08, 0.1, np.array([[0.9]]))
+    record(hopeless, 1, [0], hopeless_row, 0.08, 0.1, np.array([[0.9]]))
     assert [0] in [hopeless.plan(hopeless_row, 100) for _ in range(PROBE_EVERY)]
 
 
@@ -579,15 +626,15 @@ def test_a_probe_drafts_what_was_planned_for_it_and_its_stop_rule_prices_time_at
     controller = DraftLengthController(MAX)
     row = evidence(controller)
     for _ in range(3):
-        controller.observe(2, [0], row, 0.16, 0.1 + 0.01 * 2, np.array([[0.9, 0.9]]))
-        controller.observe(0, [0], row, None, 0.1)
-    controller.observe(4, [0], row, 0.32, 0.1 + 0.01 * 4, np.array([[0.9] * 4]))
+        record(controller, 2, [0], row, 0.16, 0.1 + 0.01 * 2, np.array([[0.9, 0.9]]))
+        record(controller, 0, [0], row, None, 0.1)
+    record(controller, 4, [0], row, 0.32, 0.1 + 0.01 * 4, np.array([[0.9] * 4]))
     rates = controller.rates(row)
     assert rates[0, 0] == rates.max()  # drafting does not pay
     plans = [controller.plan(row, 100) for _ in range(controller.probe_interval(rates))]
     probes = [p for p in plans if p != [0]]
     assert len(probes) == 1 and probes[0] == [1 + int(np.argmax(rates[1, 1:]))] and probes[0][0] < MAX, plans
-    (_, c), (_, b) = controller.costs.draft_cost(1), controller.costs.verify_cost(1)
+    (_, c), (_, b) = controller.drafting.at(1), controller.costs.verify.cost(1)
     rule = controller.stop_rule([0], row)
     assert rule.threshold == pytest.approx(rates[0, 0] * (c + b)) and rates[0, 0] > rates[1, 1:].max()
 
@@ -601,10 +648,10 @@ def test_the_stop_rule_weighs_the_next_draft_against_its_cost() -> None:
     for gamma in (2, 4, 2, 4):
         confidence = np.tile([0.99, 0.99, 0.1, 0.1], (2, 1))[:, :gamma]
         times = 0.003 + 0.01 * gamma, 0.1 + 0.002 * gamma
-        controller.observe(gamma, [min(gamma, 2)] * 2, rows, *times, confidence)
+        record(controller, gamma, [min(gamma, 2)] * 2, rows, *times, confidence)
     slots, both = [0, 1], np.array([True, True])
     rule = controller.stop_rule(slots, rows)
-    (_, c), (_, b) = controller.costs.draft_cost(2), controller.costs.verify_cost(2)
+    (_, c), (_, b) = controller.drafting.at(2), controller.costs.verify.cost(2)
     assert rule.threshold == pytest.approx(controller.rates(rows).max() * (c + b))
     calibrated, pooled = controller.calibrated_acceptance(), controller.acceptance(rows)
     confident, unconfident = calibrated[-1], calibrated[0]
@@ -661,7 +708,8 @@ def draft_round(
     try:
         drafter.prefill(slots, [p[:-1] for p in prompts])
         sampler = BatchSampler(params, torch.device("cpu"))
-        return drafter.propose(slots, prompts, [num_tokens] * len(prompts), sampler, {MODEL: stop_rule})
+        plan = DraftPlan([Part(MODEL)] * len(prompts), {MODEL: stop_rule})
+        return drafter.propose(slots, prompts, [num_tokens] * len(prompts), sampler, plan)
     finally:
         for slot in slots:
             drafter.release(slot)
@@ -752,18 +800,23 @@ def test_auto_stops_early_and_fixed_gamma_never_does(drafters, make_checkpoint) 
     assert fixed.drafted_per_position == unlimited.drafted_per_position
 
 
-def test_prompt_lookup_ignores_the_threshold(make_checkpoint) -> None:
+def test_prompt_lookup_ignores_the_threshold(drafters) -> None:
     """A probability threshold cuts a model draft's rounds; prompt lookup's rounds, which have no probability
-    to cut at, get no stop rule and draft the length auto chooses."""
-    checkpoint = make_checkpoint(family="llama")
-    scheduler = SpeculativeDecoder.from_pretrained(checkpoint, "ngram", draft_confidence_threshold=0.5).scheduler
-    schedule = DraftLengthController(MAX)
-    rows, slots, drafting = [schedule.evidence()], [0], np.array([True])
-    assert scheduler._stop_rule(schedule, LOOKUP, slots, rows, PassContext(1), []) is None
-    rule = scheduler._stop_rule(schedule, MODEL, slots, rows, PassContext(1), [])
+    to cut at, get no stop rule and draft the length auto chooses (control: without a threshold they get
+    auto's cost-aware stop)."""
+
+    def stop_rules(drafter, threshold: float | None) -> dict[str, StopRule]:
+        planner = DraftPlanner(drafter, MAX, 64, Costs(packed=False), threshold)
+        row = Request.create(0, [5, 6, 5, 6, 5], SamplingParams(max_new_tokens=16), AUTO, 0.0, None, frozenset(), print)
+        row.slot = 0
+        plan = planner.plan([row])
+        assert plan.limits[0] > 0  # the row drafts in this round
+        return plan.draft.stop_rules
+
+    assert stop_rules(PromptLookupDrafter(), 0.5) == {} and LOOKUP in stop_rules(PromptLookupDrafter(), None)
+    rule = stop_rules(drafters["medium"], 0.5)[MODEL]
+    slots, drafting = [0], np.array([True])
     assert rule(torch.tensor([0.4]), slots, drafting) and not rule(torch.tensor([0.6]), slots, drafting)
-    uncut = SpeculativeDecoder.from_pretrained(checkpoint, "ngram").scheduler
-    assert uncut._stop_rule(schedule, LOOKUP, slots, rows, PassContext(1), []) is not None
 
 
 def test_auto_reserves_the_engine_limit_in_the_context_check(make_checkpoint) -> None:

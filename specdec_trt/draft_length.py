@@ -1,49 +1,33 @@
-"""Acceptance-driven draft length ("auto" gamma): which rows draft in a round, and how far, for the most tokens/s.
+"""The draft length of one kind of draft ("auto"): which rows draft in a round, and how far, for the most
+tokens per second of the whole pass.
 
 A round in which j rows draft g tokens takes time(j, g) = [g > 0] (d_j + c_j g) + verify_n(x): drafting over
-those j rows, then verifying the pass of n rows, every line fitted by decayed least squares per number of rows.
-x is the pass's drafts per row as the engine computes them: where it pads every row to the widest, x =
-max(g, w), w being what the other rows of the pass draft anyway; where it packs the rows' tokens (ONNX
-Runtime), x = (D + j g) / n, D being the other rows' drafts, so a row drafting pays only for its own tokens.
-verify_n(x) = a_n + b_n x where some row drafts (x > 0); a pass of one token a row costs its own decayed mean,
-because ONNX Runtime's attention takes a slower path for several new tokens a row: the first draft in a pass
-of many rows costs about as much as the next several (docs/MEASUREMENTS.md), and one line through plain and
-drafting passes would make one draft look cheap and many dear. Passes that carry a prefill chunk have lines of
-their own, fitted on the pass's time less the chunk's predicted share: drafts cost more beside a chunk than
-elsewhere (docs/MEASUREMENTS.md); at a number of rows not yet timed with a chunk, the other passes' lines stand in.
+those j rows (the kind's own lines per number of drafting rows), then the verify pass of n rows computing x
+drafts per row (``specdec_trt.costs``: packed, x = (D + j g) / n; padded, x = max(g, w)). It yields the pass's
+tokens: the other rows' own, plus for each row here 1 + p_1 + p_1 p_2 + ... + p_1 ... p_g if it drafts, 1 if
+not, p_i being the row's acceptance of its i-th draft given the ones before it were accepted. The plan
+maximises tokens / time over g and over j, the rows expected to gain most drafting; g = 0 is a plain round.
 
-A round yields the pass's tokens: the other rows' own, plus, for each row here, 1 + p_1 + p_1 p_2 + ... + p_1 ...
-p_g if it drafts and 1 if not, where p_i is the row's acceptance of its i-th draft given the ones before it were
-accepted (acceptance is bursty, so later drafts pass more often than the first). The evidence decays per drafted
-token, so the estimates follow the text. A row's prior is the recent acceptance of its kind's drafts over every row,
-so a request joining is judged as the others are from its first round (with a fixed 0.5, new rows under load sat out
-of drafting for their first rounds: docs/MEASUREMENTS.md). How much a row's own evidence counts against that prior
-is measured too: each kind keeps the error with which a few prior weights would have predicted every verdict so far,
-and uses the best: a model draft's rows tend to be accepted alike, so a row's own evidence is mostly noise and a row
-left out on it costs tokens, while greedy prompt lookup's rows differ for good (one text repeats, another never
-does). The plan maximises the pass's tokens / time over g and over j, the rows expected to gain most drafting; g = 0
-is a plain step. Counting the whole pass matters under load: a plain round of a full batch yields a token per row,
-and a draft that pays beside one row's token rarely pays beside eight. Where plain steps win, a round drafts anyway
-now and then (a probe) so acceptance keeps being measured: after ``probe_every`` plain rounds, or more where the
-best probe is predicted to lose much (one draft beside many plain rows makes the whole pass dearer), so that probes
-cost about ``PROBE_COST`` of the time; a probe drafts no further than planned, and each kind of draft probes on its
-own. Likewise a row left out while others draft joins a drafting round once it has sat out as many rounds as a probe
-would wait (``overdue``): a row that never drafts is never judged, and would keep its estimate for as long as others
-draft beside it (until its evidence faded into the prior).
-
-A draft that reports its confidence drafts up to the limit whenever drafting pays, and ``CostAwareStop`` ends
-the round once one more token is expected to add fewer tokens than it costs, judged from that confidence as
-calibrated against the verifier's verdicts. The controller is deterministic given its observations.
+Acceptance is each row's own decayed evidence per draft position, shrunk to a prior: the recent acceptance of
+the kind's drafts over every row, weighted by whichever of a few weights has predicted the verdicts best
+(a model draft's rows tend to be accepted alike; prompt lookup's differ for good). Where plain rounds win, a
+round drafts now and then anyway (a probe), and a row left out while others draft joins them once it sat out
+as long (``overdue``), so acceptance keeps being measured. A draft that reports its confidence drafts up to
+the limit whenever drafting pays, and ``CostAwareStop`` ends the round once one more token is expected to
+add fewer tokens than it costs, judged from that confidence as calibrated against the verifier's verdicts.
+The controller is deterministic given its observations. docs/DECISIONS.md links the measurements behind
+each of these choices.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from specdec_trt.costs import Costs, PassContext, RowLines
 
 FIRST_DRAFT_LENGTH = 4  # the first round, before anything was measured
 PRIOR_TRIALS = 2.0  # a row's prior, in drafts, before any verdict: the acceptance of the kind's rows so far
@@ -51,7 +35,6 @@ PRIOR_WEIGHTS = np.array([1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0])  # the prior's 
 SELECTION_DECAY = 0.998  # weight of a weight's prediction error per draft judged since (about the last 500)
 POSITION_SHRINK = 2.0  # a draft position's own evidence against the pooled rate, in trials
 ACCEPTANCE_DECAY = 0.97  # weight of the evidence per draft drafted since (about the last 30 drafts count)
-TIME_DECAY = 0.95  # the same per round for timings, which drift slowly (longer context)
 PROBE_EVERY = 4  # at least PROBE_EVERY - 1 plain rounds before a probe
 PROBE_COST = 0.02  # the share of the time probes may lose, on average, where drafting does not pay
 CONFIDENCE_BINS = np.array([0.3, 0.5, 0.7, 0.9, 0.97])  # edges of the draft-confidence bins
@@ -62,43 +45,6 @@ CALIBRATION_SHRINK = 2.0  # the prior's weight in a bin, in trials
 def confidence_bin(confidence: np.ndarray) -> np.ndarray:
     """Each confidence's bin index in ``CONFIDENCE_BINS`` (an edge belongs to the bin above it)."""
     return np.searchsorted(CONFIDENCE_BINS, confidence, side="right")
-
-
-class DecayedLine:
-    """y = intercept + slope * x by least squares over decayed observations, both coefficients >= 0. Until
-    two distinct x were seen the slope is unknown: ``through_origin`` then fits y = slope * x (all of y is
-    per-unit cost), otherwise y = intercept (all of it is fixed)."""
-
-    def __init__(self, decay: float, through_origin: bool) -> None:
-        self.decay, self.through_origin = decay, through_origin
-        self.sums = np.zeros(5)  # decayed sums of 1, x, y, x^2, x*y
-        self.seen: set[float] = set()
-        self._solved: tuple[float, float] | None = None  # the coefficients, until the next observation
-
-    def add(self, x: float, y: float) -> None:
-        self.sums = self.decay * self.sums + np.array([1.0, x, y, x * x, x * y])
-        self.seen.add(x)
-        self._solved = None
-
-    def coefficients(self) -> tuple[float, float]:
-        """(intercept, slope); (0, 0) before any observation. Solved once per observation: plans ask every
-        round, for every number of rows."""
-        if self._solved is None:
-            self._solved = self._solve()
-        return self._solved
-
-    def _solve(self) -> tuple[float, float]:
-        w, sx, sy, sxx, sxy = self.sums.tolist()
-        if w == 0:
-            return 0.0, 0.0
-        spread = w * sxx - sx * sx
-        if len(self.seen) < 2 or spread <= 1e-12 * w * w:
-            return (0.0, sy / sx) if self.through_origin and sx > 0 else (sy / w, 0.0)
-        slope = max((w * sxy - sx * sy) / spread, 0.0)
-        intercept = (sy - slope * sx) / w
-        if intercept < 0:  # the best line through the origin instead
-            return 0.0, sxy / sxx
-        return intercept, slope
 
 
 class AcceptanceEvidence:
@@ -112,99 +58,17 @@ class AcceptanceEvidence:
         self.idle = 0  # rounds since the row last drafted
 
 
-class CostLines:
-    """Seconds of a round's drafting and verifying against its draft length, one pair of fitted lines per
-    number of rows (a round over more rows costs more, and its cost grows faster with the draft length once
-    the rows make the step compute-bound), and the decayed mean of a verify pass without drafts. A row count
-    without verify observations of its own takes the ``fallback``'s line there, or without one the line of
-    the nearest counts that have some, interpolated."""
-
-    def __init__(self, decay: float, fallback: CostLines | None = None) -> None:
-        self.decay, self.fallback = decay, fallback
-        self.drafting: dict[int, DecayedLine] = {}  # seconds against tokens drafted
-        self.verifying: dict[int, DecayedLine] = {}  # seconds against drafts verified, passes with drafts
-        self.plain: dict[int, DecayedLine] = {}  # seconds of passes without drafts (x = 0: their mean)
-
-    def add_draft(self, rows: int, num_drafted: int, seconds: float) -> None:
-        """Drafting ``num_drafted`` tokens for ``rows`` rows took ``seconds``."""
-        self.drafting.setdefault(rows, DecayedLine(self.decay, through_origin=True)).add(num_drafted, seconds)
-
-    def add_verify(self, rows: int, num_drafted: float, seconds: float) -> None:
-        """Verifying ``num_drafted`` drafts per row (``PassContext.drafts_per_row``) for ``rows`` rows took
-        ``seconds``."""
-        lines = self.verifying if num_drafted > 0 else self.plain
-        lines.setdefault(rows, DecayedLine(self.decay, through_origin=False)).add(num_drafted, seconds)
-
-    def draft_cost(self, rows: int) -> tuple[float, float]:
-        """(d, c): drafting seconds per drafting round and per drafted token, at ``rows`` rows."""
-        return _at(self.drafting, rows)
-
-    def verify_cost(self, rows: int) -> tuple[float, float]:
-        """(a, b) of the verify time a + b * x at ``rows`` rows, of a pass where some row drafts (x > 0)."""
-        if self.fallback is not None and rows not in self.verifying:
-            return self.fallback.verify_cost(rows)
-        return _at(self.verifying, rows)
-
-    def plain_cost(self, rows: int) -> float:
-        """Seconds of a verify pass at ``rows`` rows where no row drafts; the drafting line's intercept while
-        no such pass was timed."""
-        if self.fallback is not None and rows not in self.plain:
-            return self.fallback.plain_cost(rows)
-        return _at(self.plain, rows)[0] if self.plain else self.verify_cost(rows)[0]
-
-
-def _at(lines: dict[int, DecayedLine], rows: int) -> tuple[float, float]:
-    """The coefficients of the line at ``rows``, or interpolated (extrapolated past the ends, never below 0)
-    between the nearest row counts observed; (0, 0) before any observation."""
-    if rows in lines:
-        return lines[rows].coefficients()
-    if not lines:
-        return 0.0, 0.0
-    known = sorted(lines)
-    below = [n for n in known if n < rows]
-    above = [n for n in known if n > rows]
-    pair = (below[-1], above[0]) if below and above else tuple(known[-2:] if below else known[:2])
-    if len(pair) == 1 or pair[0] == pair[1]:
-        return lines[pair[0]].coefficients()
-    (n0, n1), (c0, c1) = pair, (np.array(lines[pair[0]].coefficients()), np.array(lines[pair[1]].coefficients()))
-    value = c0 + (c1 - c0) * (rows - n0) / (n1 - n0)
-    return float(max(value[0], 0.0)), float(max(value[1], 0.0))
-
-
-@dataclass(frozen=True)
-class PassContext:
-    """The verify pass a kind of draft plans its rows into: ``rows`` in the pass, and what the pass's other
-    rows bring to the round whatever these rows draft: their expected ``tokens`` and the ``width`` of their
-    drafts (the pass is as wide as its widest row; ``drafts`` in all, ``packed``: the engine computes only
-    real tokens, so the pass costs its drafts, not rows x its widest). ``fixed_s``: seconds the round costs
-    beyond its draft and verify passes whatever is drafted (the fixed cost of the prefill chunk that follows
-    each round while a prompt is being prefilled): a round that yields more tokens spreads it thinner."""
-
-    rows: int
-    tokens: float = 0.0
-    width: int = 0
-    fixed_s: float = 0.0
-    drafts: int = 0  # the other rows' drafts in all
-    packed: bool = False  # whether the engine computes the rows' tokens packed (True) or padded to the widest
-    chunk: bool = False  # whether a prefill chunk rides in the pass (its own cost lines: ``chunk_costs``)
-
-    def drafts_per_row(self, drafting_rows: int | np.ndarray, g: np.ndarray | int) -> np.ndarray:
-        """x: the verify pass's drafts per row, as computed, when ``drafting_rows`` more rows draft ``g``."""
-        if self.packed:
-            return (self.drafts + drafting_rows * np.asarray(g)) / self.rows
-        return np.maximum(g, self.width)
-
-
 class DraftLengthController:
     """Chooses the draft length of each round of one kind of draft, for the rows drafting with it, from each
-    row's own acceptance evidence and the costs measured at that number of rows."""
+    row's own acceptance evidence, the target's ``costs`` (shared by every kind; its own when not given) and
+    the kind's own ``drafting`` lines: seconds of drafting against the tokens drafted, per number of rows."""
 
     def __init__(
         self,
         max_draft: int,
+        costs: Costs | None = None,
         first: int = FIRST_DRAFT_LENGTH,
         decay: float = ACCEPTANCE_DECAY,
-        time_decay: float = TIME_DECAY,
         probe_every: int = PROBE_EVERY,
     ) -> None:
         if max_draft < 1 or probe_every < 1:
@@ -215,9 +79,8 @@ class DraftLengthController:
         self.judged = np.zeros(len(CONFIDENCE_BINS) + 1)  # decayed, over all rows: judged drafts per bin
         self.judged_accepted = np.zeros(len(CONFIDENCE_BINS) + 1)
         self.reports_confidence = False  # whether the draft has reported its confidence
-        self.costs = CostLines(time_decay)
-        # verify passes that carry a prefill chunk (their drafting is timed apart from the pass: ``costs``)
-        self.chunk_costs = CostLines(time_decay, fallback=self.costs)
+        self.costs = Costs(packed=False) if costs is None else costs
+        self.drafting = RowLines(self.costs.decay, through_origin=True)
         self.rounds = 0
         self.plain_streak = 0
         self.best_rate = 0.0  # the best tokens/s the last plan predicted for its pass (0 before a round was timed)
@@ -275,17 +138,13 @@ class DraftLengthController:
     def round_times(self, drafting_rows: Sequence[int], context: PassContext) -> np.ndarray:
         """[len(drafting_rows), max_draft + 1]: ``round_time`` for each number of drafting rows, at once (the
         plan asks for every number each round)."""
-        costs = self.costs_of(context.chunk)
-        (a, b), plain = costs.verify_cost(context.rows), costs.plain_cost(context.rows)
-        d, c = np.array([self.costs.draft_cost(j) for j in drafting_rows]).T[:, :, None]
+        lines = self.costs.lines(context.chunk)
+        (a, b), plain = lines.cost(context.rows), lines.plain_cost(context.rows)
+        d, c = np.array([self.drafting.at(j) for j in drafting_rows]).T[:, :, None]
         g = np.arange(self.max_draft + 1)
         x = context.drafts_per_row(np.asarray(drafting_rows)[:, None], g)
         verify = np.where(x > 0, a + b * x, plain)
         return (g > 0) * (d + c * g) + verify
-
-    def costs_of(self, chunk: bool) -> CostLines:
-        """The verify cost lines of passes that carry a prefill chunk (``chunk``), or of the others."""
-        return self.chunk_costs if chunk else self.costs
 
     def rates(self, rows: Sequence[AcceptanceEvidence], context: PassContext | None = None) -> np.ndarray:
         """[len(rows) + 1, max_draft + 1]: the pass's expected tokens per second when the j rows that gain most
@@ -370,8 +229,8 @@ class DraftLengthController:
         default computed here, the plan of the round has it in ``best_rate``); a row of an ``exempt`` slot (one
         that drafts a fixed number) keeps the round going while it drafts."""
         context = context or PassContext(len(rows))
-        _, c = self.costs.draft_cost(len(rows))
-        _, b = self.costs_of(context.chunk).verify_cost(context.rows)
+        _, c = self.drafting.at(len(rows))
+        _, b = self.costs.lines(context.chunk).cost(context.rows)
         if rate is None:
             rate = float(self.rates(rows, context).max()) if self.rounds else 0.0  # a second's worth, in tokens
         # one more draft widens a padded pass by a token per row; a packed one by a token per drafting row
@@ -384,20 +243,11 @@ class DraftLengthController:
         num_drafted: Sequence[int] | int,
         num_accepted: Sequence[int],
         rows: Sequence[AcceptanceEvidence],
-        draft_s: float | None,
-        verify_s: float,
         confidence: np.ndarray | None = None,
-        pass_rows: int | None = None,
-        pass_width: float | None = None,
-        chunk: bool = False,
     ) -> None:
-        """Record a round: row r drafted ``num_drafted[r]`` tokens (one number: all rows alike; maybe fewer
-        than chosen: an early stop) and accepted ``num_accepted[r]``. Times in seconds, of these rows'
-        drafting (None: not known apart from other drafting in the round) and of the verify pass over
-        ``pass_rows`` rows computing ``pass_width`` drafts per row (``PassContext.drafts_per_row``: its widest
-        row's drafts where rows are padded, their mean where packed; defaults: these rows', padded), ``chunk``:
-        with a prefill chunk riding in it (``verify_s``: the pass's time less the chunk's predicted share).
-        ``confidence`` [rows, k]: the draft's probability of each token it drafted, if known."""
+        """Record a round's verdicts: row r drafted ``num_drafted[r]`` tokens (one number: all rows alike; maybe
+        fewer than chosen: an early stop) and accepted ``num_accepted[r]``; ``confidence`` [rows, k]: the
+        draft's probability of each token it drafted, if known. Timings go to ``costs`` and ``drafting``."""
         self.rounds += 1
         drafted = np.broadcast_to(np.asarray(num_drafted, dtype=np.int64), (len(rows),))
         accepted = np.asarray(num_accepted, dtype=float)
@@ -411,9 +261,6 @@ class DraftLengthController:
             row.reached = fade * row.reached + r_reached
             row.passed = fade * row.passed + r_passed
             row.idle = 0 if count else row.idle + 1
-        if widest and draft_s is not None:
-            self.costs.add_draft(int((drafted > 0).sum()), widest, draft_s)
-        self.costs_of(chunk).add_verify(pass_rows or len(rows), widest if pass_width is None else pass_width, verify_s)
         fade = self.decay ** max(widest, 1)
         self.population = fade * self.population + [reached.sum(), passed.sum()]
         self.judged *= fade
