@@ -70,11 +70,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec-trt"))
 
 
-def default_engine_dir() -> Path:
-    """Where ``specdec-run`` keeps the default engines, under ``cache_root``."""
-    return cache_root() / "engines" / "smollm2-135m"
-
-
 def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | None]:
     """Every refusal that needs no weights: returns the target's and the draft checkpoint's configs."""
     if request.dtype not in ENGINE_DTYPES:

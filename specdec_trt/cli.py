@@ -10,19 +10,12 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from specdec_trt.backend import BackendOptions
 from specdec_trt.build import PRESETS, QUANTIZATIONS, BuildRequest
-from specdec_trt.cli_options import (
-    SEED,
-    BackendOptions,
-    Command,
-    DraftLengthType,
-    FiniteFloat,
-    backend_options,
-    build_with_progress,
-    default_draft,
-    draft_length_for,
-)
+from specdec_trt.build_progress import build_with_progress
+from specdec_trt.cli_options import SEED, Command, DraftLengthType, FiniteFloat, backend_options
 from specdec_trt.decoder import DraftLength, GenerationOutput, SpeculativeDecoder
+from specdec_trt.policy import choose_draft
 from specdec_trt.sampling import SamplingParams
 from specdec_trt.user_text import check_text, read_stdin, unescape
 
@@ -103,24 +96,24 @@ def run(
         sampling["stop"] = tuple(unescape(stop) for stop in sampling["stop"])
     params = SamplingParams(**sampling)
     backend = backend.resolved(err)
-    spec, num_draft_tokens = default_draft(backend, draft, num_draft_tokens)
+    spec, num_draft_tokens = choose_draft(backend.engines, draft, num_draft_tokens)
     with err.status("Loading models…"):
         loaded = backend.open([spec], err)
-    decoder = SpeculativeDecoder.from_loaded(loaded, draft_length_for(loaded, spec, num_draft_tokens))
+    decoder = SpeculativeDecoder.from_loaded(loaded, num_draft_tokens, draft=spec)
     if chat:
         text = decoder.apply_chat_template(text)
     if backend.compile:
         err.print("[dim]torch.compile compiles the layers during the first steps…[/dim]")
     if as_json:
         output = decoder.generate(text, params)
-        click.echo(json.dumps(_as_json(output, decoder.num_draft_tokens, str(spec)), indent=2))
+        click.echo(json.dumps(_as_json(output, decoder.num_draft_tokens, str(decoder.draft)), indent=2))
         return
     stream = decoder.stream(text, params)
     for piece in stream:
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
-    err.print(_stats_table(stream.output, decoder.num_draft_tokens, str(spec)))
+    err.print(_stats_table(stream.output, decoder.num_draft_tokens, str(decoder.draft)))
 
 
 @click.command(cls=Command)

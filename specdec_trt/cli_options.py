@@ -1,32 +1,23 @@
-"""What the commands share on their command lines: the backend options (which models to open, and how),
-the draft-length and number-list types, and the default engines built on first use."""
+"""Click plumbing the commands share: the command class that turns user errors into one line, the parameter
+types (draft lengths, threads, finite floats, number lists) and the decorator that fills ``BackendOptions``."""
 
 from __future__ import annotations
 
 import functools
 import math
 import os
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable
+from dataclasses import fields
 from pathlib import Path
 
 import click
-import torch
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from specdec_trt.build import PRESETS, STAGES, BuildRequest, build, default_engine_dir
-from specdec_trt.build_engines.checkpoint import default_model_path
-from specdec_trt.build_engines.manifest import MANIFEST_NAME, EngineDirectoryError, Manifest, read_manifest
+from specdec_trt.backend import BackendOptions
 from specdec_trt.build_engines.model import DTYPES
-from specdec_trt.build_lock import build_lock
-from specdec_trt.decoder import AUTO, DraftLength, default_draft_length
-from specdec_trt.draft_spec import ENGINE, LOOKUP_FIRST, NGRAM, DraftSpec
-from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
-from specdec_trt.runtime.ort_engine import GraphMismatchError
-from specdec_trt.validation import MAX_SEED, InvalidValueError, check_threads
+from specdec_trt.decoder import AUTO, DraftLength
+from specdec_trt.policy import MAX_DRAFT_LENGTH, DraftLengthWithoutDraftError
+from specdec_trt.validation import MAX_SEED, ConflictingOptionsError, InvalidValueError, check_threads
 
-MAX_DRAFT_LENGTH = 64  # the most drafts per round a command line may ask for
 DEBUG_ENV = "SPECDEC_DEBUG"
 # What a user's input or environment can cause: our own errors are ValueError subclasses (our TypeErrors
 # too), UnicodeDecodeError is undecodable input, OSError a path that is missing, unreadable or unwritable.
@@ -35,7 +26,8 @@ USER_ERRORS = (ValueError, OSError)
 
 class Command(click.Command):
     """A click command whose user errors end in one line, ``Error: ...`` with exit status 1, never a
-    traceback; ``--debug`` (or ``SPECDEC_DEBUG=1``) lets the traceback through for a bug report."""
+    traceback (options that conflict are usage errors, exit status 2); ``--debug`` (or ``SPECDEC_DEBUG=1``)
+    lets the traceback of the others through for a bug report."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("context_settings", {"help_option_names": ["-h", "--help"], "show_default": True})
@@ -54,6 +46,11 @@ class Command(click.Command):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except DraftLengthWithoutDraftError as error:
+            message = f"-k {error.num_draft_tokens} needs a draft: --draft none is plain decoding"
+            raise click.UsageError(message, ctx) from error
+        except ConflictingOptionsError as error:
+            raise click.UsageError(str(error), ctx) from error
         except USER_ERRORS as error:
             if ctx.meta.get(DEBUG_ENV) or os.environ.get(DEBUG_ENV, "0") not in ("", "0"):
                 raise
@@ -100,10 +97,6 @@ class FiniteFloat(click.FloatRange):
 
 SEED = click.IntRange(0, MAX_SEED)  # what torch's generators take
 
-# What engines with a draft run by default, with the draft length chosen every round: prompt lookup where the
-# text repeats itself, the engines' own draft elsewhere (docs/BENCHMARKS.md compares it with each alone).
-ENGINES_DEFAULT_DRAFT = LOOKUP_FIRST + ENGINE
-
 
 class DraftLengthType(click.ParamType):
     """A number of drafts per round (an integer from 0 to ``MAX_DRAFT_LENGTH``) or "auto"."""
@@ -136,91 +129,6 @@ def number_list(kind: type, minimum: float):
         return tuple(dict.fromkeys(numbers))
 
     return parse
-
-
-@dataclass(frozen=True)
-class BackendOptions:
-    """Which target to open: an engine directory on ONNX Runtime (``engines``), a checkpoint on the PyTorch
-    engine (``target``; also the default model's checkpoint when only ``device`` is given), or, with neither,
-    the default engines. The other fields tune one backend or the other."""
-
-    engines: Path | None = None
-    target: Path | None = None
-    device: str | None = None
-    dtype: str | None = None
-    max_context: int | None = None
-    threads: int | None = None
-    enforce_eager: bool | None = None
-    compile: bool | None = None
-    is_default: bool = False  # ``engines`` are the default engines, filled in by ``resolved``
-
-    @property
-    def on_pytorch(self) -> bool:
-        """Whether the PyTorch engine runs (a checkpoint, or a torch device asked for)."""
-        return self.target is not None or (self.engines is None and self.device is not None)
-
-    def check(self) -> None:
-        """Options of the other backend are a usage error, never silently ignored."""
-        if self.engines is not None and self.target is not None:
-            raise click.UsageError("--engines and --target are alternatives: give one")
-        wrong = () if self.on_pytorch else ("device", "dtype", "max_context", "enforce_eager", "compile")
-        given = [f"--{name.replace('_', '-')}" for name in wrong if getattr(self, name) is not None]
-        if given:
-            verb = "does" if len(given) == 1 else "do"
-            raise click.UsageError(f"{', '.join(given)} {verb} not apply to ONNX Runtime engines")
-
-    def open(self, drafts: Sequence[DraftSpec], err: Console) -> LoadedModels:
-        """Open the target and a drafter per draft (building the default engines first if needed)."""
-        if self.on_pytorch:
-            if self.threads:
-                torch.set_num_threads(self.threads)
-            return open_checkpoints(
-                self.target or default_model_path(),
-                drafts,
-                self.device or "cpu",
-                DTYPES[self.dtype or "float32"],
-                self.max_context,
-                cuda_graphs=False if self.enforce_eager else None,
-                compiled=bool(self.compile),
-            )
-        directory = self.resolved(err).engines
-        try:
-            return open_engine_directory(directory, drafts, self.threads)
-        except (EngineDirectoryError, GraphMismatchError) as error:
-            if self.engines is not None and not self.is_default:
-                raise
-            default_engines(err, broken=str(error))
-            return open_engine_directory(directory, drafts, self.threads)
-
-    def resolved(self, err: Console) -> BackendOptions:
-        """These options with the default engines (built if needed) where neither backend was named."""
-        if self.on_pytorch or self.engines is not None:
-            return self
-        return replace(self, engines=default_engines(err), is_default=True)
-
-
-def default_draft(
-    backend: BackendOptions, draft: str | None, num_draft_tokens: DraftLength | None
-) -> tuple[DraftSpec, DraftLength | None]:
-    """The draft a command opens (``--draft``, or by default lookup-first with auto for engines that have
-    a draft of their own, else prompt lookup) and its draft length if already decided; ``backend`` must be
-    resolved. A draft length without a draft is a usage error."""
-    spec = DraftSpec.parse(draft)
-    if draft is None:
-        own = backend.engines is not None and read_manifest(backend.engines, verify_files=False).draft is not None
-        spec = DraftSpec.parse(ENGINES_DEFAULT_DRAFT if own else NGRAM)
-        if own and num_draft_tokens is None:
-            num_draft_tokens = AUTO
-    if not spec.drafts and num_draft_tokens:
-        raise click.UsageError(f"-k {num_draft_tokens} needs a draft: --draft none is plain decoding")
-    return spec, num_draft_tokens
-
-
-def draft_length_for(loaded: LoadedModels, spec: DraftSpec, num_draft_tokens: DraftLength | None) -> DraftLength:
-    """``num_draft_tokens``, or the default for the opened target (0 without a draft)."""
-    if num_draft_tokens is not None:
-        return num_draft_tokens
-    return default_draft_length(loaded.target) if spec.drafts else 0
 
 
 def backend_options(command: Callable) -> Callable:
@@ -278,65 +186,9 @@ def backend_options(command: Callable) -> Callable:
 
     @functools.wraps(command)
     def wrapper(**kwargs):
-        backend = BackendOptions(**{name: kwargs.pop(name) for name in names})
-        backend.check()
+        backend = BackendOptions(**{name: kwargs.pop(name) for name in names})  # a conflict is a usage error
         return command(backend=backend, **kwargs)
 
     for option in reversed(options):
         wrapper = option(wrapper)
     return wrapper
-
-
-def default_engines(err: Console, broken: str | None = None) -> Path:
-    """The default engines, built into the cache directory on first use, and built again (saying why) when
-    the cached ones cannot be used: another schema version, an edited manifest, or ``broken`` (why opening
-    them failed). Concurrent first uses build once: the others wait for the build, then use its engines."""
-    directory = default_engine_dir()
-    problem = broken or _unusable(directory)
-    if problem is None:
-        return directory
-
-    def wait() -> None:
-        err.print(f"Another process is building the default engines into {directory}; waiting for it…")
-
-    with build_lock(directory, wait):
-        problem = broken or _unusable(directory)
-        if problem is not None:
-            err.print(f"Building the default engines into {directory} ({problem})…")
-            build_with_progress(BuildRequest(out=directory, force=True, **PRESETS["smollm2-135m"]), err)
-    return directory
-
-
-def _unusable(directory: Path) -> str | None:
-    """Why the cached default engines cannot be used (None: their manifest says they can)."""
-    if not (directory / MANIFEST_NAME).is_file():
-        return "first use only"
-    try:
-        read_manifest(directory, verify_files=False)
-    except EngineDirectoryError as error:
-        return f"the cached ones are unusable: {error}"
-    return None
-
-
-def build_with_progress(request: BuildRequest, err: Console) -> Manifest:
-    """Build an engine directory under a progress bar of its stages (saying so if another build of the
-    same directory makes it wait)."""
-    columns = (
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=err) as progress:
-        task = progress.add_task("build", total=len(STAGES))
-
-        def on_stage(stage: str) -> None:
-            progress.update(task, completed=STAGES.index(stage), description=stage)
-
-        def on_wait() -> None:
-            progress.console.print(f"Another specdec-build is writing {request.out}; waiting for it to finish…")
-
-        manifest = build(request, on_stage, on_wait)
-        progress.update(task, completed=len(STAGES), description="done")
-    return manifest

@@ -4,7 +4,7 @@ Every call is a client of one ``Scheduler`` (continuous batching, one engine thr
 the running batch, and no interleaving of calls can mix two requests' state. ``num_draft_tokens`` is a
 number of drafts per round (0: plain decoding on the same engine, the baseline) or "auto" (``AUTO``), which
 chooses each round's draft length for the most tokens per second of the whole batch
-(``specdec_trt.schedule``); a model draft then drafts until one more token is expected to add less than it
+(``specdec_trt.planner``); a model draft then drafts until one more token is expected to add less than it
 costs, judged from its own confidence as calibrated on earlier rounds (or, with
 ``draft_confidence_threshold``, until its confidence falls below that).
 """
@@ -17,21 +17,16 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec_trt.build_engines.manifest import read_manifest
-from specdec_trt.draft_spec import ENGINE, NGRAM, NONE, DraftSpec
+from specdec_trt.draft_spec import AUTO, DraftLength, DraftSpec
 from specdec_trt.drafting import Drafter
 from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
+from specdec_trt.policy import DEFAULT_NUM_DRAFT_TOKENS, choose_draft, draft_length_for
+from specdec_trt.policy import default_draft_length as default_draft_length  # re-exported: callers name it here
+from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ROUNDS, PrefillPolicy
+from specdec_trt.request import GenerationOutput, RequestHandle
 from specdec_trt.runtime.engine import ContextOverflowError, Engine
 from specdec_trt.sampling import SamplingParams
-from specdec_trt.scheduler import (
-    AUTO,
-    DEFAULT_PREFILL_CHUNK,
-    DEFAULT_PREFILL_CHUNK_ROUNDS,
-    DraftLength,
-    GenerationOutput,
-    RequestHandle,
-    Scheduler,
-)
+from specdec_trt.scheduler import Scheduler
 from specdec_trt.user_text import check_text
 from specdec_trt.validation import (
     InvalidTypeError,
@@ -43,7 +38,6 @@ from specdec_trt.validation import (
 )
 
 Prompt = str | Sequence[int]
-DEFAULT_NUM_DRAFT_TOKENS = 5
 # Longest draft "auto" may choose on an engine without a verify-width limit (the PyTorch engine). It is
 # also what the context check reserves, so it stays modest: past 8 drafts, even at acceptance 0.9, a
 # draft token adds under 0.05 expected tokens per round.
@@ -62,12 +56,6 @@ def check_context(prompt_tokens: int, max_new_tokens: int, draft_tokens: int, ma
         )
 
 
-def default_draft_length(target: Engine) -> int:
-    """``DEFAULT_NUM_DRAFT_TOKENS``, or fewer when the target's verify pass was built for fewer."""
-    built_for = target.max_draft_len
-    return DEFAULT_NUM_DRAFT_TOKENS if built_for is None else min(DEFAULT_NUM_DRAFT_TOKENS, built_for)
-
-
 def check_draft_length(gamma: DraftLength, built_for: int | None) -> None:
     """Refuse a fixed draft length past the ``built_for`` drafts an engine's verify pass takes (None: any)."""
     if gamma != AUTO and built_for is not None and gamma > built_for:
@@ -82,6 +70,13 @@ def check_num_draft_tokens(value: object) -> DraftLength:
     if value == AUTO or (is_integer(value) and value >= 0):
         return value if value == AUTO else int(value)
     raise InvalidValueError(f"num_draft_tokens must be an integer >= 0 or {AUTO!r}, got {value!r}")
+
+
+def check_confidence_threshold(threshold: float | None) -> float | None:
+    """``threshold`` if it is None or a probability, else a ValueError saying what is accepted."""
+    if threshold is not None and not 0 <= threshold <= 1:
+        raise InvalidValueError(f"draft_confidence_threshold must be in [0, 1], got {threshold!r}")
+    return threshold
 
 
 class GenerationStream:
@@ -109,8 +104,8 @@ class SpeculativeDecoder:
     a model draft's rounds run up to the limit and end after a token the draft drew with less than this
     probability in every row (from its warped distribution where the row samples; 0: never); prompt lookup's
     rounds draft the length auto chooses. ``max_batch_size``, ``max_queue``, ``prefill_chunk`` and
-    ``prefill_chunk_rounds`` set up its ``Scheduler``. The decoder owns its engines: while it serves, nothing
-    else may run them.
+    ``prefill_chunk_rounds`` set up its ``Scheduler``. ``draft``: what the drafter was opened as (the
+    constructors fill it in). The decoder owns its engines: while it serves, nothing else may run them.
     """
 
     def __init__(
@@ -126,12 +121,13 @@ class SpeculativeDecoder:
         max_queue: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefill_chunk_rounds: float | None = DEFAULT_PREFILL_CHUNK_ROUNDS,
+        draft: DraftSpec | None = None,
     ) -> None:
         check_num_draft_tokens(num_draft_tokens)
-        if draft_confidence_threshold is not None and not 0 <= draft_confidence_threshold <= 1:
-            raise InvalidValueError(f"draft_confidence_threshold must be in [0, 1], got {draft_confidence_threshold!r}")
+        check_confidence_threshold(draft_confidence_threshold)
         self.target = target
         self.drafter = drafter
+        self.draft = draft  # what the drafter was opened as, where the decoder was told (None: not told)
         self.tokenizer = tokenizer
         eos = set(eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
@@ -146,19 +142,27 @@ class SpeculativeDecoder:
             self.max_auto_draft,
             max_batch_size=max_batch_size,
             max_queue=max_queue,
-            prefill_chunk=prefill_chunk,
-            prefill_chunk_rounds=prefill_chunk_rounds,
+            prefill=PrefillPolicy(prefill_chunk, prefill_chunk_rounds),
             draft_confidence_threshold=draft_confidence_threshold,
         )
         self.max_context = self.scheduler.max_context
+
+    @property
+    def draft_confidence_threshold(self) -> float | None:
+        """The fixed confidence cut-off of "auto"'s model drafts (None: auto's cost-aware stop)."""
+        return self.scheduler.planner.confidence_threshold
+
+    @draft_confidence_threshold.setter
+    def draft_confidence_threshold(self, threshold: float | None) -> None:
+        self.scheduler.planner.confidence_threshold = check_confidence_threshold(threshold)
 
     @classmethod
     def from_pretrained(
         cls,
         target: str | Path | None = None,
-        draft: str | Path | DraftSpec | None = NGRAM,
+        draft: str | Path | DraftSpec | None = None,
         *,
-        num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
+        num_draft_tokens: DraftLength | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_context: int | None = None,
@@ -169,15 +173,17 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
         embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup), "ngram+" before a
-        checkpoint, or None. On a CUDA device the engines replay their steps from CUDA graphs unless
-        ``cuda_graphs=False``; ``compiled=True`` runs them through ``torch.compile`` (see ``TorchEngine``).
-        ``scheduling``: see ``from_loaded``."""
-        check_num_draft_tokens(num_draft_tokens)  # before loading anything
+        checkpoint, or "none"; None and ``num_draft_tokens=None`` are the defaults of ``specdec_trt.policy``
+        (prompt lookup, 5 drafts a round), as specdec-run --target opens. On a CUDA device the engines replay
+        their steps from CUDA graphs unless ``cuda_graphs=False``; ``compiled=True`` runs them through
+        ``torch.compile`` (see ``TorchEngine``). ``scheduling``: see ``from_loaded``."""
+        if num_draft_tokens is not None:
+            check_num_draft_tokens(num_draft_tokens)  # before loading anything
         if max_context is not None:
             check_integer("max_context", max_context, 1)
-        spec = DraftSpec.parse(draft)
+        spec, gamma = choose_draft(None, draft, num_draft_tokens)
         loaded = open_checkpoints(target, [spec], device, dtype, max_context, cuda_graphs, compiled)
-        return cls.from_loaded(loaded, num_draft_tokens, draft_confidence_threshold, **scheduling)
+        return cls.from_loaded(loaded, gamma, draft_confidence_threshold, draft=spec, **scheduling)
 
     @classmethod
     def from_engines(
@@ -191,36 +197,41 @@ class SpeculativeDecoder:
         **scheduling,
     ) -> SpeculativeDecoder:
         """Open an engine directory built by ``specdec-build`` on ONNX Runtime (its manifest and checksums
-        are checked first). ``draft``: None (the directory's own draft if it was built with one, else plain
-        decoding), "engine", "ngram", "ngram+engine", another engine directory, or "none".
-        ``num_draft_tokens`` defaults to 5, or the engine's max draft length when that is smaller; "auto"
-        chooses up to the engine's max draft length each round. ``scheduling``: see ``from_loaded``."""
+        are checked first). ``draft``: "engine" (the directory's own draft), "ngram", "ngram+engine", another
+        engine directory, or "none"; None and ``num_draft_tokens=None`` are the defaults of
+        ``specdec_trt.policy``, as specdec-run --engines opens: "ngram+engine" with "auto" for a directory
+        built with a draft, else "ngram"; a fixed draft length defaults to 5, or the engine's max draft length
+        when that is smaller. "auto" chooses up to the engine's max draft length each round. ``scheduling``:
+        see ``from_loaded``."""
         if num_draft_tokens is not None:
             check_num_draft_tokens(num_draft_tokens)  # before loading anything
-        directory = Path(directory)
-        if draft is None:
-            draft = ENGINE if read_manifest(directory, verify_files=False).draft is not None else NONE
-        loaded = open_engine_directory(directory, [DraftSpec.parse(draft)], threads)
-        gamma = default_draft_length(loaded.target) if num_draft_tokens is None else num_draft_tokens
-        return cls.from_loaded(loaded, gamma, draft_confidence_threshold, **scheduling)
+        spec, gamma = choose_draft(Path(directory), draft, num_draft_tokens)
+        loaded = open_engine_directory(directory, [spec], threads)
+        return cls.from_loaded(loaded, gamma, draft_confidence_threshold, draft=spec, **scheduling)
 
     @classmethod
     def from_loaded(
         cls,
         loaded: LoadedModels,
-        num_draft_tokens: DraftLength = DEFAULT_NUM_DRAFT_TOKENS,
+        num_draft_tokens: DraftLength | None = None,
         draft_confidence_threshold: float | None = None,
+        *,
+        draft: DraftSpec | None = None,
         **scheduling,
     ) -> SpeculativeDecoder:
-        """A decoder over models opened by ``specdec_trt.loading`` with at most one draft; ``scheduling``:
-        ``max_batch_size``, ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds`` (see ``Scheduler``)."""
+        """A decoder over models opened by ``specdec_trt.loading`` with at most one draft, ``draft`` being what
+        they were opened with (kept as ``decoder.draft``). ``num_draft_tokens=None`` is the policy's fixed
+        default for the opened target (0 without a drafter). ``scheduling``: ``max_batch_size``,
+        ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds`` (see ``Scheduler``)."""
+        drafter = loaded.only_drafter()
         return cls(
             loaded.target,
-            loaded.only_drafter(),
+            drafter,
             loaded.tokenizer,
             loaded.eos_token_ids,
-            num_draft_tokens,
+            draft_length_for(loaded.target, drafter is not None, num_draft_tokens),
             draft_confidence_threshold,
+            draft=draft,
             **scheduling,
         )
 
@@ -294,6 +305,12 @@ class SpeculativeDecoder:
         if engine is not None:
             engine.close()
 
+    def draft_reserve(self, num_draft_tokens: DraftLength | None = None) -> int:
+        """Positions a request's rounds may draft into past its prompt and new tokens: its draft length, or
+        for "auto" the longest draft auto may choose (None: this decoder's default draft length)."""
+        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        return self.max_auto_draft if k == AUTO else k
+
     def _prepare(
         self,
         prompts: Sequence[Prompt],
@@ -325,7 +342,7 @@ class SpeculativeDecoder:
             if p.stop and self.tokenizer is None:
                 raise InvalidValueError("stop strings need a tokenizer; this model has none")
             ids = self.tokenize(prompt)
-            check_context(len(ids), p.max_new_tokens, self.max_auto_draft if k == AUTO else k, self.max_context)
+            check_context(len(ids), p.max_new_tokens, self.draft_reserve(k), self.max_context)
             requests.append((ids, p, k))
         return requests
 

@@ -18,6 +18,11 @@ class InvalidValueError(ValueError):
     """A value of the right type lies outside what is accepted."""
 
 
+class ConflictingOptionsError(InvalidValueError):
+    """Options that cannot go together, such as a draft length with plain decoding (a command reports it as a
+    usage error)."""
+
+
 class InvalidTypeError(TypeError, ValueError):
     """A value has a type that cannot mean what was asked for (also a ValueError, so that callers that
     catch bad arguments as ValueError keep catching it)."""

@@ -29,11 +29,12 @@ from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE, start_build
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.cli import bench
-from specdec_trt.build import PRESETS, BuildRequest, build, default_engine_dir
+from specdec_trt.build import PRESETS, BuildRequest, build
 from specdec_trt.build_engines.manifest import MANIFEST_NAME
 from specdec_trt.build_lock import build_lock, lock_path
 from specdec_trt.cli import build_command, run
 from specdec_trt.distill.cli import distill_command
+from specdec_trt.policy import default_engine_dir
 
 TOO_BIG_SEED = str(2**64)
 MANY_THREADS = str((os.cpu_count() or 1) + 1)
@@ -762,6 +763,7 @@ def test_stop_and_prompt_escapes_are_interpreted_unless_no_escape(paths: Paths) 
 # --- tracebacks on request -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["--debug", "SPECDEC_DEBUG=1"])
 def test_debug_shows_the_traceback(how: str, tmp_path: Path) -> None:
     executable = Path(sys.executable).parent / "specdec-run"
@@ -804,6 +806,7 @@ def assert_no_build_debris(out: Path) -> None:
     assert not lock_path(out).exists()
 
 
+@pytest.mark.slow
 def test_two_builds_into_one_out_one_builds_the_other_refuses(paths: Paths, tmp_path: Path) -> None:
     """Started together: one writes the directory, the other (waiting, or arriving after it) refuses
     clearly; the directory is the first one's, whole."""
@@ -819,6 +822,7 @@ def test_two_builds_into_one_out_one_builds_the_other_refuses(paths: Paths, tmp_
     assert_no_build_debris(out)
 
 
+@pytest.mark.slow
 def test_a_build_waits_for_the_one_in_progress(paths: Paths, tmp_path: Path) -> None:
     """While another build holds the directory, specdec-build says it is waiting; when that build has
     written the directory, it refuses to overwrite it."""
@@ -838,6 +842,7 @@ def read_kind(directory: Path) -> str:
     return json.loads((directory / MANIFEST_NAME).read_text())["draft_kind"]
 
 
+@pytest.mark.slow
 def test_two_first_runs_on_an_empty_cache_build_the_default_engines_once(paths: Paths, tmp_path: Path) -> None:
     """The second specdec-run on an empty cache waits for the first one's build of the default engines,
     then runs on them without building again (the build is played here by copying finished engines in)."""
@@ -876,6 +881,7 @@ def test_a_corrupt_default_engine_is_rebuilt_with_a_message(
     assert json.loads((directory / MANIFEST_NAME).read_text())["target"]["max_context"] == 32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_a_build_leaves_nothing(sig: signal.Signals, paths: Paths, tmp_path: Path) -> None:
     """SIGTERM (as Ctrl-C) mid-build removes the staging directory and the lock, and writes no --out. The
@@ -892,6 +898,7 @@ def test_a_signal_during_a_build_leaves_nothing(sig: signal.Signals, paths: Path
     assert_no_build_debris(out)
 
 
+@pytest.mark.slow
 def test_a_stale_partial_directory_is_removed_by_the_next_build(paths: Paths, tmp_path: Path) -> None:
     """A build killed outright leaves its staging directory; the next build of that --out removes it."""
     out = tmp_path / "out"

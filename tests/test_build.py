@@ -265,6 +265,7 @@ def built(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
     return Built(root / "model", root / "none", root / "int4", outputs[0][1], outputs[1][1], int4_run.stages)
 
 
+@pytest.mark.slow
 def test_build_command_writes_an_engine_directory(built: Built, checkpoints: Checkpoints) -> None:
     stderr = " ".join(built.model_draft_stderr.split())  # rich wraps long lines at 80 columns off a terminal
     assert "done" in stderr and f"{len(STAGES)}/{len(STAGES)}" in stderr, stderr
@@ -281,6 +282,7 @@ def test_build_command_writes_an_engine_directory(built: Built, checkpoints: Che
     assert manifest.target.source == str(checkpoints.target)
 
 
+@pytest.mark.slow
 def test_draft_none_with_force_replaces_the_directory(built: Built) -> None:
     assert "Built" in built.no_draft_stderr
     assert not (built.no_draft / SENTINEL).exists(), "--force should replace the old directory"
@@ -291,6 +293,7 @@ def test_draft_none_with_force_replaces_the_directory(built: Built) -> None:
     assert not [name for name in manifest.files if name.startswith("draft/")]
 
 
+@pytest.mark.slow
 def test_build_api_reports_every_stage_in_order(built: Built) -> None:
     assert built.int4_stages == list(STAGES)
     manifest = read_manifest(built.int4_draft)
@@ -303,6 +306,7 @@ def run_json(*args: str) -> dict:
     return json.loads(result.stdout)
 
 
+@pytest.mark.slow
 def test_specdec_run_on_built_engines(built: Built) -> None:
     """The target is the same checkpoint in all three directories, so greedy output is the same whatever drafts."""
     prompt = "abcabcabcabc"  # repeats, so prompt lookup finds matches
@@ -328,6 +332,7 @@ def test_specdec_run_on_built_engines(built: Built) -> None:
 # --- failed builds -----------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_failed_build_leaves_no_partial_directory(checkpoints: Checkpoints, tmp_path: Path) -> None:
     """A failure at any stage removes the staging directory; an existing --out survives it untouched even
     with --force (it is replaced only after the new directory verified)."""
@@ -360,6 +365,7 @@ def graph_op_types(graph: Path) -> set[str]:
     return {node.op_type for node in onnx.load(graph, load_external_data=False).graph.node}
 
 
+@pytest.mark.slow
 def test_int4_quantized_pruned_draft(checkpoints: Checkpoints, tmp_path: Path) -> None:
     """--draft-quantization int4 on a vocabulary-pruned draft checkpoint (what specdec-distill writes): the
     draft graph runs MatMulNBits, keeps -inf outside its vocabulary, and decoding stays exactly the target's.
@@ -396,7 +402,7 @@ def test_int4_quantized_pruned_draft(checkpoints: Checkpoints, tmp_path: Path) -
     assert read_manifest(tmp_path / "alone").target.quantization == "int4-block32"
     assert "MatMulNBits" in graph_op_types(tmp_path / "alone" / "target" / "model.onnx")
 
-    decoder = SpeculativeDecoder.from_engines(tmp_path / "both")
+    decoder = SpeculativeDecoder.from_engines(tmp_path / "both", "engine")
     logits = decoder.drafter.engine.prefill(torch.tensor([[1, 2, 3]]), torch.tensor([3]))[0]
     outside = torch.ones_like(logits, dtype=torch.bool)
     outside[vocab] = False
@@ -416,6 +422,7 @@ def test_two_builds_in_one_process(checkpoints: Checkpoints, tmp_path: Path) -> 
         assert read_manifest(tmp_path / name).draft_kind == "none"
 
 
+@pytest.mark.slow
 def test_every_accepted_context_builds(checkpoints: Checkpoints, tmp_path: Path) -> None:
     """Whatever check_request accepts must build (a refusal would have to come from check_request)."""
     request = BuildRequest(out=tmp_path / "small", target=checkpoints.target, draft="none", max_context=16)
@@ -436,7 +443,7 @@ def test_float16_build_decodes_like_float32(checkpoints: Checkpoints, tmp_path: 
     )
     assert read_manifest(out).target.dtype == "float16"
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-    reference = SpeculativeDecoder.from_pretrained(checkpoints.target, None).generate("hello world", params)
-    decoder = SpeculativeDecoder.from_engines(out)
+    reference = SpeculativeDecoder.from_pretrained(checkpoints.target, "none").generate("hello world", params)
+    decoder = SpeculativeDecoder.from_engines(out, "engine")
     for gamma in (0, 3):
         assert decoder.generate("hello world", params, num_draft_tokens=gamma).token_ids == reference.token_ids

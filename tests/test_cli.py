@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from conftest import TEXT_VOCAB_SIZE
 from rich.console import Console
 
-from specdec_trt import SamplingParams, SpeculativeDecoder, cli_options
+from specdec_trt import SamplingParams, SpeculativeDecoder, build_progress
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, SCHEMA_VERSION
 from specdec_trt.cli import run
 
@@ -108,7 +108,7 @@ def test_bad_input_is_a_clear_error(target, args: list[str], code: int, message:
     assert "Traceback" not in result.output
 
 
-@pytest.mark.parametrize("option", ["--enforce-eager", "--compile"])
+@pytest.mark.parametrize("option", ["--enforce-eager", pytest.param("--compile", marks=pytest.mark.slow)])
 def test_step_modes_on_the_pytorch_engine_only(target, tmp_path, option: str) -> None:
     """--enforce-eager (on the CPU the engine is eager anyway) and --compile run with --target, and give the
     default mode's greedy tokens; both are refused for ONNX Runtime engines."""
@@ -144,9 +144,9 @@ def test_default_engines_are_built_when_missing_or_stale(tmp_path, monkeypatch, 
         directory.mkdir(parents=True)
         (directory / MANIFEST_NAME).write_text(json.dumps({"schema_version": cached_version}))
     builds = []
-    monkeypatch.setattr(cli_options, "build_with_progress", lambda request, err: builds.append(request))
+    monkeypatch.setattr(build_progress, "build_with_progress", lambda request, err: builds.append(request))
     console = Console(record=True, width=200)
-    assert cli_options.default_engines(console) == directory
+    assert build_progress.default_engines_shown(console) == directory
     assert [(b.out, b.force) for b in builds] == [(directory, True)]
     message = console.export_text()
     assert "Building the default engines" in message

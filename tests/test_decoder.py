@@ -70,7 +70,7 @@ def test_bad_input_is_refused_and_changes_nothing(decoder: SpeculativeDecoder, c
 
 
 def test_drafts_without_a_drafter_are_refused(make_checkpoint) -> None:
-    plain = SpeculativeDecoder.from_pretrained(make_checkpoint(family="llama"), None)
+    plain = SpeculativeDecoder.from_pretrained(make_checkpoint(family="llama"), "none")
     assert plain.num_draft_tokens == 0
     assert plain.generate("ab", SamplingParams(max_new_tokens=3)).stats.drafted_tokens == 0
     with pytest.raises(ValueError, match="needs a drafter"):
@@ -149,11 +149,11 @@ def test_cuda_engine_gives_the_cpu_engine_output(make_checkpoint) -> None:
     target = make_checkpoint(family="qwen2")
     draft = make_checkpoint(draft_of=({"family": "qwen2"}, 0.1), seed=6)
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    cpu = SpeculativeDecoder.from_pretrained(target, None, max_context=64).generate("hello world", params)
+    cpu = SpeculativeDecoder.from_pretrained(target, "none", max_context=64).generate("hello world", params)
     cuda = SpeculativeDecoder.from_pretrained(target, draft, max_context=64, device="cuda")
     for gamma in (0, 1, 4, "auto"):
         assert cuda.generate("hello world", params, num_draft_tokens=gamma).token_ids == cpu.token_ids
-    cuda.scheduler.draft_confidence_threshold = 0.9  # "auto" with most rounds cut short by the draft's confidence
+    cuda.draft_confidence_threshold = 0.9  # "auto" with most rounds cut short by the draft's confidence
     outs = cuda.generate_batch(["hello world", "a"], params, num_draft_tokens="auto")
     assert outs[0].token_ids == cpu.token_ids and all(o.stats.drafted_tokens > 0 for o in outs)
     sampled = SamplingParams(max_new_tokens=32, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True)

@@ -75,7 +75,7 @@ def test_checkpoint_is_a_pruned_draft_that_builds_and_decodes_losslessly(distill
     assert json.loads((out / REPORT_FILE).read_text())["evaluations"][-1]["step"] == 40
     engines = tmp_path / "engines"
     build(BuildRequest(out=engines, target=target, draft=out, max_draft_len=4, max_context=128))
-    decoder = SpeculativeDecoder.from_engines(engines)
+    decoder = SpeculativeDecoder.from_engines(engines, "engine")
     draft_logits = decoder.drafter.engine.prefill(torch.tensor([[4, 5, 6]]), torch.tensor([3]))
     outside = torch.ones(config.vocab_size, dtype=torch.bool)
     outside[list(config.draft_vocab)] = False

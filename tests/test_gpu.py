@@ -135,7 +135,7 @@ def test_cuda_rejection_sampler_makes_no_host_sync() -> None:
 @needs_cuda
 def test_cuda_pruned_draft_speculative_greedy_equals_plain(make_checkpoint, tmp_path: Path) -> None:
     target = make_checkpoint(family="llama")
-    plain_decoder = SpeculativeDecoder.from_pretrained(target, None, max_context=MAX_CONTEXT, device="cuda")
+    plain_decoder = SpeculativeDecoder.from_pretrained(target, "none", max_context=MAX_CONTEXT, device="cuda")
     plain = {prompt: plain_decoder.generate(prompt, GREEDY).token_ids for prompt in PROMPTS}
     plain_decoder.close()
     # Prune the three rarest tokens the target does emit: the target must produce tokens the draft can

@@ -156,7 +156,7 @@ def test_resealed_manifest_still_loads(engine_dir: Path, tmp_path: Path) -> None
 
 
 def test_more_drafts_than_built_for(engine_dir: Path) -> None:
-    decoder = SpeculativeDecoder.from_engines(engine_dir)
+    decoder = SpeculativeDecoder.from_engines(engine_dir, "engine")
     assert decoder.num_draft_tokens == MAX_DRAFT_LEN, "the default (5) is capped by what the engine was built for"
     assert decoder.generate("hello", PARAMS, num_draft_tokens=MAX_DRAFT_LEN).stats.drafted_tokens > 0
     with pytest.raises(ValueError, match="rebuild with specdec-build --max-draft-len"):

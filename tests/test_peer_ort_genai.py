@@ -28,7 +28,7 @@ from specdec_trt.bench.ort_genai_peer import (
     write_float32_checkpoint,
 )
 from specdec_trt.bench.peers import FLOAT32, PeerRequest, open_peers
-from specdec_trt.build import BuildRequest, build, default_engine_dir
+from specdec_trt.build import BuildRequest, build
 from specdec_trt.build_engines.checkpoint import (
     default_model_path,
     load_checkpoint,
@@ -39,6 +39,7 @@ from specdec_trt.build_engines.manifest import MANIFEST_NAME
 from specdec_trt.decoder import AUTO
 from specdec_trt.draft_spec import NGRAM, DraftSpec
 from specdec_trt.loading import open_engine_directory
+from specdec_trt.policy import default_engine_dir
 
 pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai is not installed: pip install 'specdec-trt[peers]'")
 

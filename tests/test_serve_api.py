@@ -17,8 +17,8 @@ from rich.console import Console
 from serving import API_KEY, MODEL, serve, sse_events, wait_until
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.cli_options import BackendOptions
-from specdec_trt.scheduler import AUTO
+from specdec_trt.backend import BackendOptions
+from specdec_trt.draft_spec import AUTO
 from specdec_trt.serve.options import DecoderOptions
 
 PROMPTS = ["the cat sat on the mat", "hello there", "abc abc abc abc", "a long way", "quiet", "one two one two"]
@@ -235,7 +235,7 @@ def test_sixteen_concurrent_streams_on_four_slots_equal_their_solo_outputs(serve
     watching = threading.Event()
 
     def watch() -> None:
-        while not watching.is_set():
+        while not watching.wait(0.001):  # sampling, not spinning: a spin starves the server of the GIL
             peak.append(server.decoder.scheduler.num_running)
 
     watcher = threading.Thread(target=watch)
@@ -339,7 +339,7 @@ def test_a_full_queue_answers_429_with_retry_after(checkpoints) -> None:
 
     def load() -> SpeculativeDecoder:
         decoder = SpeculativeDecoder.from_pretrained(
-            checkpoints[0], None, num_draft_tokens=0, max_batch_size=1, max_queue=1
+            checkpoints[0], "none", num_draft_tokens=0, max_batch_size=1, max_queue=1
         )
         step = decoder.target.step
 
@@ -378,7 +378,7 @@ def test_health_and_requests_answer_503_while_loading(checkpoints) -> None:
 
     def load() -> SpeculativeDecoder:
         release.wait(30)
-        return SpeculativeDecoder.from_pretrained(checkpoints[0], None, num_draft_tokens=0)
+        return SpeculativeDecoder.from_pretrained(checkpoints[0], "none", num_draft_tokens=0)
 
     with serve(load, api_key=None, wait_ready=False) as served:
         health = served.http.get("/health")
@@ -394,5 +394,5 @@ def test_prefill_chunk_rounds_reach_the_scheduler_with_0_for_no_bound(checkpoint
     """specdec-serve's --prefill-chunk-rounds, as the server's decoder options carry it."""
     for rounds, expected in ((2.5, 2.5), (0.0, None)):
         options = DecoderOptions(BackendOptions(target=checkpoints[0]), "none", 0, 2, 4, rounds)
-        decoder, _ = options.open(Console(stderr=True))
-        assert decoder.scheduler.prefill_chunk_rounds == expected
+        decoder = options.open(Console(stderr=True))
+        assert decoder.scheduler.prefill.chunk_rounds == expected

@@ -36,6 +36,7 @@ def health(url: str) -> int | None:
         return None
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(make_checkpoint) -> None:
     target = make_checkpoint(family="llama", hidden_size=256, num_layers=6)  # slow enough to be caught mid-stream
     options = ["--draft", "none", "--max-batch-size", "2", "--threads", "1", "--prefill-chunk-rounds", "0"]
@@ -74,6 +75,7 @@ def test_sigterm_finishes_the_requests_in_flight_refuses_new_ones_and_exits_0(ma
         process.wait()
 
 
+@pytest.mark.slow
 def test_a_model_that_cannot_load_ends_the_command_with_one_line(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
     process, _ = start("--target", str(tmp_path), "--draft", "none")
@@ -87,9 +89,9 @@ def test_a_model_that_cannot_load_ends_the_command_with_one_line(tmp_path) -> No
 def test_the_default_model_answers_the_openai_client_as_the_decoder_does() -> None:
     from rich.console import Console
 
-    from specdec_trt.cli_options import default_engines
+    from specdec_trt.build_progress import default_engines_shown
 
-    directory = default_engines(Console(stderr=True))
+    directory = default_engines_shown(Console(stderr=True))
     with serve(lambda: SpeculativeDecoder.from_engines(directory, "ngram+engine", num_draft_tokens="auto")) as served:
         client = openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
         question = "What is the capital of France? Answer in one sentence."

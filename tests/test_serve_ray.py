@@ -71,6 +71,7 @@ def test_replica_options_are_checked_before_anything_starts(args: list[str], mes
     assert result.exit_code == 2 and message in result.output, result.output
 
 
+@pytest.mark.slow
 @needs_ray
 def test_replicas_that_cannot_start_end_the_command_with_the_error_in_one_line(tmp_path) -> None:
     (tmp_path / "config.json").write_text("{}")
@@ -154,11 +155,12 @@ def _ray_server(target: Path, *options: str) -> Iterator[str]:
     wait_until(lambda: ray_processes() == [], "Ray processes were left behind", 60)
 
 
+@pytest.mark.slow
 @needs_ray
 def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make_checkpoint) -> None:
     target = make_checkpoint(family="llama", hidden_size=256, num_layers=6, max_position_embeddings=2048)
     with ray_server(target, "--replicas", "2", "--threads", "1", "--max-batch-size", "2") as url:
-        solo = SpeculativeDecoder.from_pretrained(target, None)
+        solo = SpeculativeDecoder.from_pretrained(target, "none")
         expected = {p: solo.generate(p, SamplingParams(max_new_tokens=16, ignore_eos=True), 0).text for p in PROMPTS}
 
         # Requests spread over both replicas, with the single decoder's greedy outputs.
@@ -230,6 +232,7 @@ def test_two_replicas_share_the_load_survive_a_killed_one_and_leave_nothing(make
         wait_until(lambda: len(replicas_answering() - replicas) > 0, "Ray did not replace the killed replica", 240)
 
 
+@pytest.mark.slow
 @needs_ray
 def test_a_queue_deeper_than_the_slots_scales_the_replicas_up(make_checkpoint) -> None:
     target = make_checkpoint(family="llama", hidden_size=256, num_layers=6, max_position_embeddings=2048)

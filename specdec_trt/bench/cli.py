@@ -12,6 +12,7 @@ import transformers
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+from specdec_trt.backend import BackendOptions
 from specdec_trt.bench.bandwidth import machine_read_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
@@ -31,7 +32,7 @@ from specdec_trt.bench.results_file import read_results
 from specdec_trt.bench.step_profile import step_breakdown
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
 from specdec_trt.build_engines.model import DTYPES
-from specdec_trt.cli_options import SEED, BackendOptions, Command, backend_options, number_list
+from specdec_trt.cli_options import SEED, Command, backend_options, number_list
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength, check_context, check_draft_length
 from specdec_trt.draft_spec import ENGINE, NGRAM, DraftSpec
 from specdec_trt.loading import LoadedModels

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, OURS
-from specdec_trt.decoder import AUTO
-from specdec_trt.draft_spec import LOOKUP_FIRST
+from specdec_trt.policy import is_engines_default
 
 _COLUMNS = (
     ("method", "method", "{}"),
@@ -46,12 +45,12 @@ def compared_rows(rows: Sequence[dict]) -> list[dict]:
 
 
 def default_drafter(rows: Sequence[dict]) -> dict | None:
-    """Our default drafter's row (lookup-first with auto, as specdec-run drafts by default), if it ran."""
+    """Our default drafter's row (what engines with a draft of their own open by default), if it ran."""
     return next(
         (
             r
             for r in rows
-            if r["family"] == OURS and str(r["draft"]).startswith(LOOKUP_FIRST) and r["num_draft_tokens"] == AUTO
+            if r["family"] == OURS and r["draft"] is not None and is_engines_default(r["draft"], r["num_draft_tokens"])
         ),
         None,
     )

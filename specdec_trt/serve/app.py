@@ -20,9 +20,9 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from specdec_trt.decoder import AUTO, SpeculativeDecoder
+from specdec_trt.decoder import SpeculativeDecoder
+from specdec_trt.request import GenerationError, GenerationOutput, QueueFullError, RequestHandle, SchedulerClosedError
 from specdec_trt.runtime.engine import ContextOverflowError
-from specdec_trt.scheduler import GenerationError, GenerationOutput, QueueFullError, RequestHandle, SchedulerClosedError
 from specdec_trt.serve.lifecycle import Lifecycle
 from specdec_trt.serve.metrics import ServerMetrics
 from specdec_trt.serve.protocol import CHAT, COMPLETIONS, APIError, ParsedRequest, bad_request, parse_request
@@ -194,8 +194,7 @@ def _submit(decoder: SpeculativeDecoder, parsed: ParsedRequest) -> RequestHandle
         ids = decoder.tokenize(prompt)
         params, gamma = parsed.params, parsed.num_draft_tokens
         if parsed.max_tokens is None:
-            k = decoder.num_draft_tokens if gamma is None else gamma
-            reserve = decoder.max_auto_draft if k == AUTO else k
+            reserve = decoder.draft_reserve(gamma)
             room = decoder.max_context - len(ids) - reserve
             if room < 1:
                 raise ContextOverflowError(

@@ -9,9 +9,11 @@ import click
 import uvicorn
 from rich.console import Console
 
-from specdec_trt.cli_options import BackendOptions, Command, DraftLengthType, backend_options, default_draft
+from specdec_trt.backend import BackendOptions
+from specdec_trt.cli_options import Command, DraftLengthType, backend_options
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
-from specdec_trt.scheduler import DEFAULT_PREFILL_CHUNK_ROUNDS
+from specdec_trt.policy import choose_draft
+from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
 from specdec_trt.serve.app import ServerSettings, create_app
 from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
 from specdec_trt.serve.options import DecoderOptions, ReplicaPlan
@@ -112,7 +114,7 @@ def serve(
     """
     err = Console(stderr=True)
     if draft is not None:
-        default_draft(backend, draft, num_draft_tokens)  # a usage error before the server starts
+        choose_draft(backend.engines, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
     settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
     options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds)
@@ -131,8 +133,10 @@ def serve(
         raise click.UsageError(f"{' and '.join(given)} {'needs' if len(given) == 1 else 'need'} --ray")
 
     def load() -> SpeculativeDecoder:
-        decoder, spec = options.open(err)
-        err.print(f"Ready: {settings.model_name} (draft {spec}, k={decoder.num_draft_tokens}) on http://{host}:{port}")
+        decoder = options.open(err)
+        err.print(
+            f"Ready: {settings.model_name} (draft {decoder.draft}, k={decoder.num_draft_tokens}) on http://{host}:{port}"
+        )
         return decoder
 
     lifecycle = Lifecycle()

@@ -1,5 +1,6 @@
 """What a server opens and how it is deployed, as plain data: the decoder's options (so that every Ray Serve
-replica opens the decoder the single server does) and the replicas' plan."""
+replica opens the decoder the single server does, with the defaults of ``specdec_trt.policy``) and the
+replicas' plan."""
 
 from __future__ import annotations
 
@@ -7,10 +8,10 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
-from specdec_trt.cli_options import BackendOptions, default_draft, draft_length_for
+from specdec_trt.backend import BackendOptions
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
-from specdec_trt.draft_spec import DraftSpec
-from specdec_trt.scheduler import DEFAULT_PREFILL_CHUNK_ROUNDS
+from specdec_trt.policy import choose_draft
+from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
 
 
 @dataclass(frozen=True)
@@ -25,19 +26,18 @@ class DecoderOptions:
     max_queue: int
     prefill_chunk_rounds: float = DEFAULT_PREFILL_CHUNK_ROUNDS
 
-    def open(self, err: Console) -> tuple[SpeculativeDecoder, DraftSpec]:
-        """The decoder (building the default engines first if needed), and the draft it opened."""
+    def open(self, err: Console) -> SpeculativeDecoder:
+        """The decoder (building the default engines first if needed, shown on ``err``)."""
         resolved = self.backend.resolved(err)
-        spec, gamma = default_draft(resolved, self.draft, self.num_draft_tokens)
-        loaded = resolved.open([spec], err)
-        decoder = SpeculativeDecoder.from_loaded(
-            loaded,
-            draft_length_for(loaded, spec, gamma),
+        spec, gamma = choose_draft(resolved.engines, self.draft, self.num_draft_tokens)
+        return SpeculativeDecoder.from_loaded(
+            resolved.open([spec], err),
+            gamma,
+            draft=spec,
             max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
             prefill_chunk_rounds=self.prefill_chunk_rounds or None,
         )
-        return decoder, spec
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specdec_trt.cli_options import MAX_DRAFT_LENGTH
 from specdec_trt.decoder import AUTO, DraftLength, check_num_draft_tokens
+from specdec_trt.policy import MAX_DRAFT_LENGTH
 from specdec_trt.sampling import SamplingParams
 
 COMPLETIONS, CHAT = "completions", "chat"

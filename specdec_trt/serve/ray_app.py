@@ -61,7 +61,7 @@ class SpecdecServer:
     def __init__(self, options: DecoderOptions, settings: ServerSettings, board: DeploymentHandle) -> None:
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.settings, self.board = settings, board
-        self.decoder, _ = options.open(Console(stderr=True))
+        self.decoder = options.open(Console(stderr=True))
         self.metrics = ServerMetrics(settings.model_name)
         self.lifecycle = Lifecycle()
         threading.Thread(target=self._push_metrics, name="specdec-metrics", daemon=True).start()
