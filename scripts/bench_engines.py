@@ -24,14 +24,14 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from benchlib.timing import step_seconds, step_seconds_by_width
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.bandwidth import machine_read_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
-from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
 from specdec_trt.build_engines.checkpoint import default_model_path, load_transformers_model
 from specdec_trt.build_engines.manifest import read_manifest
-from specdec_trt.cli_options import default_engines
+from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.stats import ideal_speedup
 
@@ -75,8 +75,8 @@ def weight_bytes_per_token(directory: Path) -> int:
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench_engines.json"))
 def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, out: Path) -> None:
     """Run the engines benchmark and print its tables."""
-    directory = engines or default_engines(Console(stderr=True))
-    decoder = SpeculativeDecoder.from_engines(directory)
+    directory = engines or default_engines_shown(Console(stderr=True))
+    decoder = SpeculativeDecoder.from_engines(directory, "engine")
     cores = os.cpu_count() or 1
     transformers = TransformersRunner(load_transformers_model(default_model_path()), {}, cores, decoder.eos_token_ids)
     greedy = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True)

@@ -250,7 +250,7 @@ def main(
         results["modes"] = list(modes)
 
         plain = {
-            mode: SpeculativeDecoder.from_pretrained(target_dir, None, device=dev, max_context=MAX_CONTEXT, **options)
+            mode: SpeculativeDecoder.from_pretrained(target_dir, "none", device=dev, max_context=MAX_CONTEXT, **options)
             for mode, options in modes.items()
         }
         results["weight_bytes"] = weight_bytes(plain[EAGER].target)

@@ -29,12 +29,12 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from benchlib.load import RequestTiming, closed_loop, load_summary
+from benchlib.openai_client import stream_completion
 from specdec_trt.bench.environment import environment
-from specdec_trt.bench.load import RequestTiming, closed_loop, load_summary
-from specdec_trt.bench.openai_client import stream_completion
 from specdec_trt.bench.servers import ServerStartError, free_port, running, specdec_serve_argv
 from specdec_trt.bench.suites import interleaved_prompt_texts
-from specdec_trt.cli_options import default_engines
+from specdec_trt.build_progress import default_engines_shown
 
 READY_TIMEOUT_S = 600
 
@@ -81,7 +81,7 @@ def main(
 ) -> None:
     """1 and N replicas of one thread against one replica of N threads, at several concurrencies."""
     console = Console(stderr=True)
-    directory = engines or default_engines(console)
+    directory = engines or default_engines_shown(console)
     tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
     prompts = interleaved_prompt_texts(tokenizer)
     levels = [int(c) for c in concurrency.split(",")]

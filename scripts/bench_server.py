@@ -33,10 +33,10 @@ from rich.console import Console
 from rich.table import Table
 from transformers import AutoTokenizer
 
+from benchlib.load import RequestTiming, against_best, closed_loop, load_summary, median_run, open_loop
+from benchlib.openai_client import stream_completion
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
-from specdec_trt.bench.load import RequestTiming, against_best, closed_loop, load_summary, median_run, open_loop
-from specdec_trt.bench.openai_client import stream_completion
 from specdec_trt.bench.servers import (
     free_port,
     llama_cpp_argv,
@@ -45,8 +45,8 @@ from specdec_trt.bench.servers import (
     specdec_serve_argv,
 )
 from specdec_trt.bench.suites import interleaved_prompt_texts
-from specdec_trt.build import default_engine_dir
-from specdec_trt.cli_options import default_engines
+from specdec_trt.build_progress import default_engines_shown
+from specdec_trt.policy import default_engine_dir
 
 LLAMA, LLAMA_LOOKUP = "llama.cpp", "llama.cpp lookup"
 OURS = "specdec"
@@ -125,7 +125,7 @@ def main(
         raise click.UsageError("--peers needs llama-cpp-python: pip install 'specdec-trt[peers]'")
     if peers and engines is not None and peer_gguf is None:
         raise click.UsageError("--engines with --peers needs --peer-gguf: the same weights as a GGUF file")
-    directory = engines or default_engines(console)
+    directory = engines or default_engines_shown(console)
     tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
     prompts = interleaved_prompt_texts(tokenizer)
     methods = [ours(draft_length(k)) for k in draft_lengths.split(",")]

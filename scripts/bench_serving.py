@@ -28,9 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.environment import environment
-from specdec_trt.bench.load import (
+from benchlib.load import (
     RequestTiming,
     against_best,
     closed_loop,
@@ -39,9 +37,12 @@ from specdec_trt.bench.load import (
     percentiles,
     timed,
 )
+from benchlib.timing import step_seconds
+from specdec_trt import SamplingParams, SpeculativeDecoder
+from specdec_trt.bench.environment import environment
 from specdec_trt.bench.suites import load_suite
-from specdec_trt.bench.timing import step_seconds
-from specdec_trt.cli_options import default_engines
+from specdec_trt.build_progress import default_engines_shown
+from specdec_trt.costs import RowLines
 from specdec_trt.draft_spec import DraftSpec
 from specdec_trt.loading import open_engine_directory
 
@@ -78,7 +79,7 @@ def main(
 ) -> None:
     """Serve closed-loop clients at several concurrencies with plain, fixed and auto draft lengths."""
     console = Console(stderr=True)
-    directory = engines or default_engines(console)
+    directory = engines or default_engines_shown(console)
     decoder = decoder_for(directory, max_batch_size)
     prompts = mixed_prompts(decoder)
     decoder.generate(prompts[0], SamplingParams(max_new_tokens=8), "auto")  # warm-up: the scheduler's profile
@@ -219,19 +220,24 @@ def round_costs(directory: Path, rows_up_to: int) -> list[dict]:
 
 
 def fitted_lines(decoder: SpeculativeDecoder) -> dict:
-    """The cost lines auto fitted online, per kind of draft and number of rows: of passes without and with a
-    prefill chunk riding in them."""
-    fitted = {}
-    for part, controller in decoder.scheduler.controllers.items():
-        costs, chunk = controller.costs, controller.chunk_costs
-        fitted[part] = {
-            "verify": {n: [round(c, 5) for c in line.coefficients()] for n, line in costs.verifying.items()},
-            "plain": {n: round(line.coefficients()[0], 5) for n, line in costs.plain.items()},
-            "draft": {n: [round(c, 5) for c in line.coefficients()] for n, line in costs.drafting.items()},
-            "verify_with_chunk": {n: [round(c, 5) for c in line.coefficients()] for n, line in chunk.verifying.items()},
-            "plain_with_chunk": {n: round(line.coefficients()[0], 5) for n, line in chunk.plain.items()},
-        }
-    return fitted
+    """The cost lines auto fitted online: of the target's verify passes per number of rows, without and with a
+    prefill chunk riding in them, and of each kind of draft's drafting."""
+    planner = decoder.scheduler.planner
+
+    def lines(row_lines: RowLines) -> dict:
+        return {n: [round(c, 5) for c in line.coefficients()] for n, line in row_lines.lines.items()}
+
+    def means(row_lines: RowLines) -> dict:
+        return {n: round(line.coefficients()[0], 5) for n, line in row_lines.lines.items()}
+
+    verify, beside_chunk = planner.costs.verify, planner.costs.verify_beside_chunk
+    return {
+        "verify": lines(verify.drafting),
+        "plain": means(verify.plain),
+        "verify_with_chunk": lines(beside_chunk.drafting),
+        "plain_with_chunk": means(beside_chunk.plain),
+        "draft": {kind: lines(controller.drafting) for kind, controller in planner.controllers.items()},
+    }
 
 
 def write(out: Path, data: dict) -> None:

@@ -19,11 +19,12 @@ export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # runtime/ and build_engines/ import as specdec_trt.runtime and specdec_trt.build_engines, as an install maps
 # them; without one (nothing to build with here), an overlay of the package with links to both does the same.
 # Python runs from the overlay, so that the repository's own specdec_trt/ (without the two) is not found first.
+# scripts/ comes after it for benchlib, the scripts' helpers, which some test modules import.
 overlay=$(mktemp -d)
 cp -r specdec_trt "$overlay/"
 ln -s "$PWD/runtime" "$overlay/specdec_trt/runtime"
 ln -s "$PWD/build_engines" "$overlay/specdec_trt/build_engines"
-export PYTHONPATH=$overlay
+export PYTHONPATH=$overlay:$PWD/scripts
 PY=${PYTHON:-python3}
 start=$SECONDS
 

@@ -38,8 +38,7 @@ import click
 import numpy as np
 from rich.console import Console
 
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.replay import (
+from benchlib.replay import (
     COST_CONTEXTS,
     StepPrices,
     auto_against_fixed,
@@ -49,9 +48,10 @@ from specdec_trt.bench.replay import (
     speedup_table,
     speedups_by_length,
 )
+from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.suites import SUITES, load_suite
 from specdec_trt.build_engines.manifest import read_manifest
-from specdec_trt.cli_options import default_engines
+from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.drafting import LOOKUP, PromptLookupDrafter
 
 SETTINGS = {"max 3, min 2 (before)": (3, 2), "max 4, min 1 (now)": (4, 1)}
@@ -63,7 +63,7 @@ LONGEST_SUFFIX = PromptLookupDrafter(max_ngram=LONGEST_MATCH)  # matches the lon
 def record(engines: Path, new_tokens: int, temperature: float, seeds: int) -> dict[str, list[dict]]:
     """Plain continuations of every bench prompt, EOS ignored: greedy, or sampled at ``temperature`` once per
     seed (the seeds of a prompt in one batch). {suite: [{id, seed, temperature, prompt, output}]}."""
-    decoder = SpeculativeDecoder.from_engines(engines, draft=None)
+    decoder = SpeculativeDecoder.from_engines(engines, draft="none")
     runs = range(seeds if temperature > 0 else 1)
     recorded: dict[str, list[dict]] = {}
     for suite in SUITES:
@@ -174,7 +174,7 @@ def main(
     if recorded is not None and (temperature or seeds > 1 or save_recording):
         raise click.UsageError("--temperature, --seeds and --save-recording make a new recording: drop --recorded")
     if engines is None and (recorded is None or costs is None):
-        engines = default_engines(Console(stderr=True))
+        engines = default_engines_shown(Console(stderr=True))
     if recorded is not None:
         recording = {s: rows for s, rows in json.loads(recorded.read_text()).items() if s in SUITES}
     else:
@@ -196,7 +196,7 @@ def main(
         prices = StepPrices(COST_CONTEXTS, {int(w): v for w, v in earlier["verify_seconds"].items()})
     else:
         max_draft = read_manifest(engines, verify_files=False).target.max_draft_len
-        target = SpeculativeDecoder.from_engines(engines, draft=None).target
+        target = SpeculativeDecoder.from_engines(engines, draft="none").target
         prices = measure_step_prices(target, None, max_draft + 1, COST_CONTEXTS, cost_repeats)
     lengths = compare_draft_lengths(recording, new_tokens, prices, max_draft, confidence_stop=True)
     before = compare_draft_lengths(recording, new_tokens, prices, max_draft, confidence_stop=False)

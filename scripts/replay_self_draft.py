@@ -10,7 +10,7 @@ its cost-aware stop on the draft's calibrated confidence) is fed each round as t
 decoder's sub-millisecond work per round and prompt lookup's ~0.1 ms are left out.
 
 A sampled recording (``replay_prompt_lookup.py --temperature``) is replayed exactly in distribution
-(``specdec_trt.bench.replay``): along each sampled continuation the self-draft's chance of being accepted at
+(``benchlib.replay``): along each sampled continuation the self-draft's chance of being accepted at
 every drafted position is computed once per committed length, each position gets one uniform number that
 every draft length shares, and when auto's stop rule asks about drafts after a rejected one the draft
 samples them on the engines (``sampled_continuation``).
@@ -46,8 +46,7 @@ import torch
 from rich.console import Console
 from rich.progress import Progress
 
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.replay import (
+from benchlib.replay import (
     COST_CONTEXTS,
     ModelChains,
     Proposer,
@@ -64,9 +63,10 @@ from specdec_trt.bench.replay import (
     speedup_table,
     speedups_by_length,
 )
+from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.suites import SUITES
 from specdec_trt.build_engines.manifest import read_manifest
-from specdec_trt.cli_options import default_engines
+from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.drafting import LOOKUP, LOOKUP_FIRST_MIN_NGRAM, MODEL, PromptLookupDrafter
 from specdec_trt.runtime.ort_engine import OrtEngine
 
@@ -150,7 +150,7 @@ def check(
     """The real decoder at k=4 (self-draft alone) against the replay's rounds, first ``count`` prompts a suite:
     greedy, the same rounds prompt by prompt; sampled, the same acceptance per draft position in aggregate
     (the decoder samples anew, with seeds the recording did not use)."""
-    decoder = SpeculativeDecoder.from_engines(engines)
+    decoder = SpeculativeDecoder.from_engines(engines, "engine")
     same = checked = rounds_decoded = rounds_replayed = 0
     counts = {side: np.zeros((2, CHECK_LENGTH)) for side in ("decoder", "replay")}  # drafted, accepted
     ids = {suite: list(dict.fromkeys(row["id"] for row in rows))[:count] for suite, rows in recording.items()}
@@ -235,14 +235,14 @@ def main(
 ) -> None:
     """Replay the int4 self-draft and lookup-first on greedy or sampled recordings of the bench suites: auto
     against fixed draft lengths, with draft and verify steps priced as measured on the engines."""
-    engines = engines or default_engines(Console(stderr=True))
+    engines = engines or default_engines_shown(Console(stderr=True))
     recording = {}
     for suite, rows in json.loads(recorded.read_text()).items():
         if suite in SUITES:
             kept = list(dict.fromkeys(row["id"] for row in rows))[:limit]
             recording[suite] = [row for row in rows if row["id"] in kept]
     max_draft = read_manifest(engines, verify_files=False).target.max_draft_len
-    decoder = SpeculativeDecoder.from_engines(engines)
+    decoder = SpeculativeDecoder.from_engines(engines, "engine")
     target, draft = decoder.target, decoder.drafter.engine
     if costs is not None:
         saved = json.loads(costs.read_text())["prices"]

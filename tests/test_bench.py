@@ -15,6 +15,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from benchlib.timing import step_seconds
 from specdec_trt.bench import methods as bench_methods
 from specdec_trt.bench.cli import bench, peer_lengths
 from specdec_trt.bench.harness import SCHEMA
@@ -22,7 +23,6 @@ from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
 from specdec_trt.bench.report import auto_table
 from specdec_trt.bench.suites import SUITES, SuiteError, load_suite
 from specdec_trt.bench.summary import summarise
-from specdec_trt.bench.timing import step_seconds
 from specdec_trt.build import BuildRequest, build
 from specdec_trt.build_engines.checkpoint import default_model_path, load_checkpoint, load_tokenizer
 from specdec_trt.decoder import AUTO
@@ -281,6 +281,7 @@ def check_schema(data: dict, methods: list[str], settings: int, prompts: int, re
         assert row["tokens_per_s"] > 0 and row["prompts"] == prompts and row["runs"] == prompts * repeats
 
 
+@pytest.mark.slow
 def test_every_method_runs_on_checkpoints(models: dict[str, Path], suite_file: Path, tmp_path: Path) -> None:
     """PyTorch engine: plain, a draft checkpoint and prompt lookup at two gammas, greedy and sampled, with
     transformers generate, assisted generation (the same draft as assistant_model) and prompt lookup."""
@@ -336,6 +337,7 @@ def test_every_method_runs_on_checkpoints(models: dict[str, Path], suite_file: P
     assert markdown.read_text() == document  # regenerated from the JSON alone, nothing measured
 
 
+@pytest.mark.slow
 def test_auto_and_transformers_heuristic_schedule_run(
     models: dict[str, Path], suite_file: Path, tmp_path: Path
 ) -> None:
@@ -373,6 +375,7 @@ def test_auto_and_transformers_heuristic_schedule_run(
     assert code == 0 and table in rendered
 
 
+@pytest.mark.slow
 def test_engines_backend_runs_every_kind_of_draft(engines: Path, suite_file: Path, tmp_path: Path) -> None:
     """ONNX Runtime engines with their int4 self-draft, another engine directory as the draft, and prompt
     lookup; transformers runs the checkpoints they were built from, the draft's as assistant_model."""
@@ -409,6 +412,7 @@ def test_engines_backend_runs_every_kind_of_draft(engines: Path, suite_file: Pat
     assert "## Against llama.cpp and onnxruntime-genai: float32 weights" in output
 
 
+@pytest.mark.slow
 def test_ctrl_c_leaves_valid_json_with_the_finished_prompts(
     models: dict[str, Path], suite_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from serving import serve
 
+from benchlib.load import RequestTiming, against_best, load_summary, median_run, open_loop
+from benchlib.openai_client import ServerResponseError, stream_completion
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.load import RequestTiming, against_best, load_summary, median_run, open_loop
-from specdec_trt.bench.openai_client import ServerResponseError, stream_completion
 from specdec_trt.bench.servers import ServerStartError, free_port, running
 
 

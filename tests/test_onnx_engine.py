@@ -46,8 +46,7 @@ from transformers import AutoModelForCausalLM
 
 import specdec_trt.rejection
 import specdec_trt.runtime.ort_engine
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.replay import (
+from benchlib.replay import (
     ModelChains,
     Proposer,
     SampledChains,
@@ -58,17 +57,19 @@ from specdec_trt.bench.replay import (
     record_sampled_chains,
     sampled_continuation,
 )
+from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest
 from specdec_trt.build_engines.checkpoint import load_checkpoint
 from specdec_trt.build_engines.manifest import read_manifest
 from specdec_trt.build_engines.onnx_export import EXTERNAL_DATA_SUFFIX
+from specdec_trt.costs import Costs
 from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import MODEL, LookupFirstDrafter, ModelDrafter
 from specdec_trt.loading import model_spec, open_engine_directory
+from specdec_trt.planner import DraftPlanner
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine
 from specdec_trt.runtime.torch_engine import TorchEngine
-from specdec_trt.schedule import DraftLengthController
 
 ATOL = 1e-4
 MAX_DRAFT_LEN = 8
@@ -268,7 +269,7 @@ def test_replayed_self_draft_rounds_equal_the_decoder_rounds(gamma: int, engine_
     """The int4 self-draft's proposals recorded once per committed length (``record_model_chains``) and
     replayed at a fixed draft length give the decoder's own rounds: the same count, and the same acceptances
     at every draft position."""
-    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"])
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"], "engine")
     target, draft = decoder.target, decoder.drafter.engine
     total_accepted = 0
     for prompt in PROMPTS:
@@ -347,6 +348,7 @@ def sampled_recordings(lossless_int4: tuple[SpeculativeDecoder, torch.nn.Module]
     return recordings
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("steady_clock")
 @pytest.mark.parametrize("gamma", [LOSSLESS_DRAFTS, AUTO])
 def test_replayed_sampled_self_draft_rounds_follow_the_decoder_in_distribution(
@@ -363,15 +365,14 @@ def test_replayed_sampled_self_draft_rounds_follow_the_decoder_in_distribution(
     as for greedy output, are rejected."""
     decoder, _ = lossless_int4
     target, draft = decoder.target, decoder.drafter.engine
-    # One request at a time: in a batch, auto plans each row beside the others in the pass. Each with
-    # fresh auto controllers: a decoder's learn across its requests, and the replay starts every generation
-    # with fresh ones.
+    # One request at a time: in a batch, auto plans each row beside the others in the pass. Each with fresh
+    # costs and a fresh planner: a decoder's learn across its requests, and the replay starts every
+    # generation afresh.
     speculative = []
     for seed in range(SAMPLED_REPLAY_RUNS):
-        scheduler = decoder.scheduler
-        scheduler.controllers = {
-            part: DraftLengthController(scheduler.max_auto_draft) for part in scheduler.controllers
-        }
+        scheduler, planner = decoder.scheduler, decoder.scheduler.planner
+        scheduler.costs = Costs(scheduler.target.packs_rows)
+        scheduler.planner = DraftPlanner(planner.drafter, planner.max_auto_draft, planner.max_context, scheduler.costs)
         speculative.append(decoder.generate(PROMPT, replace(SAMPLED_REPLAY, seed=seed), gamma))
     decoded = Counter(
         run_shape(o.stats.rounds, o.stats.drafted_per_position, o.stats.accepted_per_position) for o in speculative
@@ -436,7 +437,7 @@ def test_second_prefill_starts_afresh(engine_dirs: dict[str, Path], make_checkpo
 def decoder_for(kind: str, family: str, engine_dirs: dict[str, Path]) -> SpeculativeDecoder:
     directory = engine_dirs[family]
     if kind == "agrees_often":
-        return SpeculativeDecoder.from_engines(directory)
+        return SpeculativeDecoder.from_engines(directory, "engine")
     if kind == "ngram":
         return SpeculativeDecoder.from_engines(directory, "ngram")
     loaded = open_engine_directory(directory, [])
@@ -444,7 +445,7 @@ def decoder_for(kind: str, family: str, engine_dirs: dict[str, Path]) -> Specula
     return SpeculativeDecoder(loaded.target, stranger, loaded.tokenizer, loaded.eos_token_ids)
 
 
-@pytest.mark.parametrize("kind", ["agrees_often", "agrees_rarely", "ngram"])
+@pytest.mark.parametrize("kind", ["agrees_often", pytest.param("agrees_rarely", marks=pytest.mark.slow), "ngram"])
 def test_speculative_greedy_equals_target_only(family: str, kind: str, engine_dirs: dict[str, Path]) -> None:
     decoder = decoder_for(kind, family, engine_dirs)
     assert isinstance(decoder.target, OrtEngine)
@@ -467,15 +468,15 @@ def test_auto_greedy_equals_target_only(family_name: str, kind: str, engine_dirs
 def test_plain_rounds_keep_the_draft_cache_right(kind: str, engine_dirs: dict[str, Path]) -> None:
     """Runs of plain rounds the draft never sees, on a separate draft engine and on the int4 self-draft
     started from the target's prompt cache."""
-    decoder = SpeculativeDecoder.from_engines(engine_dirs["llama" if kind == "agrees_often" else "int4"])
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["llama" if kind == "agrees_often" else "int4"], "engine")
     assert isinstance(decoder.drafter.engine, OrtEngine)
     assert_scripted_greedy_lossless(decoder, PROMPTS, GREEDY)
 
 
 def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str, Path], make_checkpoint) -> None:
-    onnx_out = SpeculativeDecoder.from_engines(engine_dirs[family], None).generate_batch(PROMPTS, GREEDY)
+    onnx_out = SpeculativeDecoder.from_engines(engine_dirs[family], "none").generate_batch(PROMPTS, GREEDY)
     torch_decoder = SpeculativeDecoder.from_pretrained(
-        make_checkpoint(**family_kwargs(family)), None, max_context=MAX_CONTEXT
+        make_checkpoint(**family_kwargs(family)), "none", max_context=MAX_CONTEXT
     )
     torch_out = torch_decoder.generate_batch(PROMPTS, GREEDY)
     assert [o.token_ids for o in onnx_out] == [o.token_ids for o in torch_out]
@@ -483,7 +484,7 @@ def test_plain_output_equals_the_torch_engine(family: str, engine_dirs: dict[str
 
 
 def test_int4_self_draft_is_greedy_lossless(engine_dirs: dict[str, Path]) -> None:
-    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"])
+    decoder = SpeculativeDecoder.from_engines(engine_dirs["int4"], "engine")
     assert decoder.drafter.cache_from is decoder.target  # no draft prefill: the target's prompt cache
     baseline = decoder.generate_batch(PROMPTS, GREEDY, num_draft_tokens=0)
     for gamma in range(1, MAX_DRAFT_LEN + 1):
@@ -577,7 +578,7 @@ def test_target_graph_layout(family: str, engine_dirs: dict[str, Path]) -> None:
 
 def lossless_pair(directory: Path) -> tuple[SpeculativeDecoder, torch.nn.Module]:
     """V=8 engines as a decoder, and transformers' own model of the same target checkpoint."""
-    decoder = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
+    decoder = SpeculativeDecoder.from_engines(directory, "engine", num_draft_tokens=LOSSLESS_DRAFTS)
     assert isinstance(decoder.target, OrtEngine) and isinstance(decoder.drafter.engine, OrtEngine)
     reference = AutoModelForCausalLM.from_pretrained(read_manifest(directory).target.source).eval()
     return decoder, reference
@@ -602,6 +603,7 @@ def lossless_int4(engine_dirs: dict[str, Path]) -> tuple[SpeculativeDecoder, tor
     [("lossless", name) for name in ("temperature", "top_k", "top_p", "min_p")]
     + [("lossless_int4", name) for name in ("temperature", "top_p")],
 )
+@pytest.mark.slow
 def test_drafts_are_lossless(pair: str, name: str, request: pytest.FixtureRequest) -> None:
     """A separate draft model, and the int4 self-draft started from the target's prompt cache."""
     decoder, reference = request.getfixturevalue(pair)
@@ -610,6 +612,7 @@ def test_drafts_are_lossless(pair: str, name: str, request: pytest.FixtureReques
     assert chi_square_p(counts, exact_joint(reference, WARPINGS[name])) > PASS_P
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pair", ["lossless", "lossless_int4"])
 def test_missing_residual_is_caught(pair: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     decoder, reference = request.getfixturevalue(pair)
@@ -618,6 +621,7 @@ def test_missing_residual_is_caught(pair: str, request: pytest.FixtureRequest, m
     assert chi_square_p(counts, exact_joint(reference, WARPINGS["temperature"])) < REJECT_P
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("steady_clock")
 @pytest.mark.parametrize(("pair", "name"), [("lossless", "top_p"), ("lossless_int4", "temperature")])
 def test_auto_draft_length_is_lossless(
@@ -630,11 +634,11 @@ def test_auto_draft_length_is_lossless(
     _, reference = request.getfixturevalue(pair)
     directory = request.getfixturevalue("engine_dirs")[pair]
     probs = exact_joint(reference, WARPINGS[name])
-    decoder = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
+    decoder = SpeculativeDecoder.from_engines(directory, "engine", num_draft_tokens=LOSSLESS_DRAFTS)
     counts, outputs = pipeline_counts(decoder, WARPINGS[name], gamma=AUTO)
     assert sum(o.stats.accepted_tokens for o in outputs) > 0
     assert chi_square_p(counts, probs) > PASS_P
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
-    fresh = SpeculativeDecoder.from_engines(directory, num_draft_tokens=LOSSLESS_DRAFTS)
+    fresh = SpeculativeDecoder.from_engines(directory, "engine", num_draft_tokens=LOSSLESS_DRAFTS)
     broken, _ = pipeline_counts(fresh, WARPINGS[name], gamma=AUTO)
     assert chi_square_p(broken, probs) < REJECT_P

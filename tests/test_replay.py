@@ -1,4 +1,4 @@
-"""Replayed generations (``specdec_trt.bench.replay``): rounds, prices and auto's early stop, on made-up
+"""Replayed generations (``benchlib.replay``): rounds, prices and auto's early stop, on made-up
 drafters whose every round is known in advance; and prompt lookup replayed on the decoder's own sampled output,
 at fixed lengths and with auto.
 The self-draft's replay against the decoder's own rounds on real engines is in test_onnx_engine.py."""
@@ -11,8 +11,7 @@ import torch
 from test_losslessness import steady_clock  # noqa: F401 - a fixture
 
 import specdec_trt.rejection
-from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.replay import (
+from benchlib.replay import (
     Proposal,
     Proposer,
     Round,
@@ -24,6 +23,7 @@ from specdec_trt.bench.replay import (
     replay_rounds,
     stopped,
 )
+from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.decoder import AUTO
 from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, StopRule
 from specdec_trt.loading import load_engines

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import httpx
 
-from specdec_trt.bench.load import RequestTiming
+from benchlib.load import RequestTiming
 
 
 class ServerResponseError(RuntimeError):

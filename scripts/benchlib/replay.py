@@ -27,12 +27,13 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from specdec_trt.bench.timing import step_seconds, step_seconds_by_width
-from specdec_trt.drafting import LOOKUP, MODEL, PromptLookupDrafter, StopRule
+from benchlib.timing import step_seconds, step_seconds_by_width
+from specdec_trt.costs import Costs
+from specdec_trt.draft_length import AcceptanceEvidence, DraftLengthController
+from specdec_trt.drafting import LOOKUP, MODEL, DraftPlan, PromptLookupDrafter, StopRule
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine
 from specdec_trt.sampling import BatchSampler, SamplingParams, sample_from
-from specdec_trt.schedule import AcceptanceEvidence, DraftLengthController
 
 FIXED_LENGTHS = (1, 2, 3, 4, 6, 8)  # the fixed draft lengths auto is compared with
 COST_CONTEXTS = (100, 500, 1000, 1500, 2000)  # cached tokens at which steps are timed
@@ -71,7 +72,8 @@ def lookup_proposer(drafter: PromptLookupDrafter) -> Proposer:
     """Prompt lookup's proposals, made by ``drafter`` itself (with its confidence and stop under auto)."""
 
     def propose(committed: np.ndarray, length: int, stop: StopRule | None) -> Proposal:
-        draft = drafter.propose([0], [committed], [length], None, None if stop is None else {LOOKUP: stop})
+        plan = DraftPlan(drafter.parts([committed]), {} if stop is None else {LOOKUP: stop})
+        draft = drafter.propose([0], [committed], [length], None, plan)
         drafted = int(draft.num_drafts[0])
         confidence = None if draft.confidence is None else draft.confidence[0, :drafted].numpy()
         return Proposal(draft.token_ids[0, :drafted].numpy(), confidence)
@@ -124,6 +126,7 @@ def generation_seconds(
     ``part_of(committed)``) draft ``k`` tokens a round (0: plain decoding), or, for ``k=None``, as many as
     the decoder's auto controllers choose (one per part, as in the decoder), each part given the
     controller's cost-aware stop rule."""
+    costs = Costs(packed=False)  # one row: packed or padded, its pass computes its own drafts
     controllers: dict[str, DraftLengthController] = {}
     evidence: dict[str, AcceptanceEvidence] = {}  # the one row's, per part
 
@@ -132,7 +135,7 @@ def generation_seconds(
         if k is not None:
             length = min(k, usable)
             return part, parts[part](committed, length, None) if length else Proposal(committed[:0])
-        controller = controllers.setdefault(part, DraftLengthController(max_draft))
+        controller = controllers.setdefault(part, DraftLengthController(max_draft, costs))
         row = evidence.setdefault(part, controller.evidence())
         (length,) = controller.plan([row], usable)
         if not length:
@@ -145,8 +148,11 @@ def generation_seconds(
         if k is None:
             confidence = round_.proposal.confidence
             judged = None if confidence is None else confidence[None]
-            row = [evidence[round_.part]]
-            controllers[round_.part].observe(round_.drafted, [round_.accepted], row, draft_s, verify_s, judged)
+            controller = controllers[round_.part]
+            costs.verify.add(1, round_.drafted, verify_s)
+            if round_.drafted:
+                controller.drafting.add(1, round_.drafted, draft_s)
+            controller.observe(round_.drafted, [round_.accepted], [evidence[round_.part]], judged)
         total += draft_s + verify_s
     return total
 
