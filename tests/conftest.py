@@ -38,6 +38,49 @@ def pytest_configure(config: pytest.Config) -> None:
         size_thread_pool(1)
 
 
+# Heavy tests of two modules that carry no marks of their own, marked ``slow`` here by node name: ``name``
+# marks every parametrization of a test, ``name[id]`` one of them. ``pytest -m "not slow"`` leaves them out.
+SLOW_TESTS = {
+    # Every test here: a chi-square or binomial test over 24,000 seeded generations (twice that where the
+    # negative control runs beside it). test_rejection.py checks the sampler's distributions in the fast loop.
+    "test_losslessness.py": (
+        "test_model_draft_is_lossless",
+        "test_unwarped_draft_probs_are_caught",
+        "test_missing_residual_is_caught",
+        "test_prompt_lookup_drafts_are_lossless",
+        "test_lookup_first_drafts_are_lossless",
+        "test_acceptance_rate_matches_theory",
+        "test_auto_with_early_stop_is_lossless",
+        "test_auto_with_unwarped_draft_probs_is_caught",
+        "test_auto_with_its_cost_aware_stop_is_lossless",
+    ),
+    # A model draft at every fixed draft length from 1 to 8, batched and alone: the slowest greedy runs (one that
+    # rarely agrees takes about a round per token). The fast loop keeps prompt lookup and lookup-first (whose
+    # model rounds run the agrees_often draft) at every length, and auto with every draft.
+    "test_greedy_equivalence.py": (
+        "test_speculative_greedy_equals_target_only[agrees_often-llama]",
+        "test_speculative_greedy_equals_target_only[agrees_often-mistral]",
+        "test_speculative_greedy_equals_target_only[agrees_often-qwen2]",
+        "test_speculative_greedy_equals_target_only[agrees_often-qwen3]",
+        "test_speculative_greedy_equals_target_only[agrees_rarely-llama]",
+        "test_speculative_greedy_equals_target_only[agrees_rarely-mistral]",
+        "test_speculative_greedy_equals_target_only[agrees_rarely-qwen2]",
+        "test_speculative_greedy_equals_target_only[agrees_rarely-qwen3]",
+    ),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m option deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = SLOW_TESTS.get(item.path.name, ())
+        for name in names:  # a renamed test must be renamed in the table too
+            if not hasattr(item.module, name.split("[")[0]):
+                raise pytest.UsageError(f"SLOW_TESTS names {name}, which {item.path.name} does not define")
+        if item.name in names or getattr(item, "originalname", None) in names:
+            item.add_marker(pytest.mark.slow)
+
+
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]
 CHARS = list("abcdefghijklmnopqrstuvwxyz .,!?\n")

@@ -185,6 +185,7 @@ COMPILED_BACKENDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_compiled_engine_matches_reference(llama: Family, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The ragged-batch check through torch.compile's code (one family: each compile takes seconds; Inductor

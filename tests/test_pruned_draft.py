@@ -84,6 +84,7 @@ class UnprunedQDrafter(ModelDrafter):
         return Draft(draft.token_ids, draft.num_drafts, sampler.probs(logits))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["temperature", "top_p"])
 def test_pruned_draft_is_lossless(name: str, checkpoints, target_model) -> None:
     decoder = SpeculativeDecoder.from_pretrained(*checkpoints, max_context=MAX_CONTEXT)
@@ -112,6 +113,7 @@ def test_pruned_draft_never_proposes_pruned_tokens(checkpoints) -> None:
     assert len(draft.token_ids.unique()) == len(DRAFT_VOCAB), "a hot draft should propose every token it has"
 
 
+@pytest.mark.slow
 def test_unpruned_q_is_caught(checkpoints, target_model, tmp_path) -> None:
     unpruned = tmp_path / "unpruned"
     shutil.copytree(checkpoints[1], unpruned)
