@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -268,3 +269,12 @@ class Cancel:
 @dataclass(frozen=True)
 class CancelAll:
     """To the engine thread: end every request."""
+
+
+class StepEvent(NamedTuple):
+    """From the engine thread, when recording: what a step did to one request, prefilled ``tokens`` of its
+    prompt or took it through a round that drafted ``tokens``."""
+
+    kind: str  # "prefill" or "round"
+    request_id: int
+    tokens: int

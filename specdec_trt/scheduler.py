@@ -1,14 +1,12 @@
 """Continuous batching: requests join and leave a running batch, served by one engine thread.
 
 ``Scheduler.submit`` is safe from any thread and returns a ``RequestHandle``. One engine thread owns the
-engines (they are not thread-safe, and ONNX Runtime's thread pool is process-wide). Each step it takes in
-submissions and cancellations; admits waiting requests into free slots (FIFO); takes one prefill chunk over
-the requests being admitted (``specdec_trt.prefill`` sizes it); runs one speculative round over every
-decoding request, each row drafting what ``specdec_trt.planner`` plans for it (where the target packs a
-pass's tokens, ONNX Runtime, the chunk rides in the round's verify pass; elsewhere it is a pass of its own);
-emits text, and releases finished requests' slots at once. Every pass's time goes into one ``Costs`` that
-the prefill policy and the planner read. A request's greedy output never depends on what it shares the
-batch with, and sampled output keeps the target's exact distribution with each request's own generator.
+engines (they are not thread-safe). Each step it takes in messages, admits waiting requests into free slots
+(FIFO), takes one prefill chunk (``specdec_trt.prefill`` sizes it) and runs one speculative round over every
+decoding request with the draft lengths ``specdec_trt.planner`` plans; where the target packs a pass's tokens
+(ONNX Runtime) the chunk rides in the round's verify pass. Every pass's time goes into one ``Costs`` that the
+prefill policy and the planner read. A request's greedy output never depends on what it shares the batch
+with; sampled output keeps the target's exact distribution, with each request's own generator.
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -41,6 +38,7 @@ from specdec_trt.request import (
     RequestHandle,
     RequestState,
     SchedulerClosedError,
+    StepEvent,
     Submit,
 )
 from specdec_trt.runtime.engine import Engine
@@ -56,15 +54,6 @@ def _cancel_at_exit() -> None:
     """At interpreter exit, end every request still in flight, so that no engine thread is cut off mid-step."""
     for scheduler in list(_running):
         scheduler.close(cancel=True)
-
-
-class StepEvent(NamedTuple):
-    """What a step did to one request: prefilled ``tokens`` of its prompt, or took it through a round that
-    drafted ``tokens``."""
-
-    kind: str  # "prefill" or "round"
-    request_id: int
-    tokens: int
 
 
 class Scheduler:
@@ -194,13 +183,17 @@ class Scheduler:
                 self._thread = None
             self._fail_all(f"{type(error).__name__}: {error}")
 
-    def _take_in(self) -> None:
-        """Move submissions and cancellations out of the inbox."""
+    def _messages(self) -> Iterator[Submit | Cancel | CancelAll]:
+        """Empty the inbox, message by message."""
         while True:
             try:
-                message = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _take_in(self) -> None:
+        """Move submissions and cancellations out of the inbox."""
+        for message in self._messages():
             if isinstance(message, Submit):
                 self._waiting.append(message.request)
                 continue
@@ -349,13 +342,7 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         """After an engine error: every request still waiting or running ends with it."""
-        while True:
-            try:
-                pending = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(pending, Submit):
-                self._waiting.append(pending.request)
+        self._waiting += [m.request for m in self._messages() if isinstance(m, Submit)]
         for request in list(self._active.values()) + list(self._waiting):
             if not request.finished:
                 request.finish("error", message)
