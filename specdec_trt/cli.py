@@ -15,7 +15,7 @@ from specdec_trt.build import PRESETS, QUANTIZATIONS, BuildRequest
 from specdec_trt.build_progress import build_with_progress
 from specdec_trt.cli_options import SEED, Command, DraftLengthType, FiniteFloat, backend_options
 from specdec_trt.decoder import DraftLength, GenerationOutput, SpeculativeDecoder
-from specdec_trt.policy import choose_draft
+from specdec_trt.policy import DEFAULT_DRAFT, choose_draft
 from specdec_trt.sampling import SamplingParams
 from specdec_trt.user_text import check_text, read_stdin, unescape
 
@@ -25,11 +25,12 @@ from specdec_trt.user_text import check_text, read_stdin, unescape
 @backend_options
 @click.option(
     "--draft",
+    default=DEFAULT_DRAFT,
     help="With engines: 'engine', the directory's own draft, or another engine directory; on the PyTorch engine: "
     "a checkpoint directory or .gguf file sharing the target's vocabulary. Either way 'ngram' is prompt lookup "
     "(no model), 'none' plain target-only decoding, and 'ngram+' before a model draft ('ngram+engine', "
     "'ngram+DIR') drafts by prompt lookup where the text so far repeats itself, with the model elsewhere. "
-    "[default: 'ngram+engine' with -k auto for engines that have a draft; else 'ngram']",
+    "'default' is 'ngram+engine' with -k auto for engines that have a draft, else 'ngram'. [default: default]",
 )
 @click.option(
     "--num-draft-tokens",
@@ -71,7 +72,7 @@ from specdec_trt.user_text import check_text, read_stdin, unescape
 def run(
     prompt: str | None,
     backend: BackendOptions,
-    draft: str | None,
+    draft: str,
     num_draft_tokens: DraftLength | None,
     chat: bool,
     as_json: bool,

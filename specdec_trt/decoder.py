@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 from specdec_trt.draft_spec import AUTO, DraftLength, DraftSpec
 from specdec_trt.drafting import Drafter
 from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
-from specdec_trt.policy import DEFAULT_NUM_DRAFT_TOKENS, choose_draft, draft_length_for
+from specdec_trt.policy import DEFAULT_DRAFT, DEFAULT_NUM_DRAFT_TOKENS, choose_draft, draft_length_for
 from specdec_trt.policy import default_draft_length as default_draft_length  # re-exported: callers name it here
 from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ROUNDS, PrefillPolicy
 from specdec_trt.request import GenerationOutput, RequestHandle
@@ -160,7 +160,7 @@ class SpeculativeDecoder:
     def from_pretrained(
         cls,
         target: str | Path | None = None,
-        draft: str | Path | DraftSpec | None = None,
+        draft: str | Path | DraftSpec | None = DEFAULT_DRAFT,
         *,
         num_draft_tokens: DraftLength | None = None,
         device: torch.device | str = "cpu",
@@ -173,10 +173,11 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """Load checkpoints (directories or GGUF files) onto PyTorch engines. ``target=None`` is the
         embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint, "ngram" (prompt lookup), "ngram+" before a
-        checkpoint, or "none"; None and ``num_draft_tokens=None`` are the defaults of ``specdec_trt.policy``
-        (prompt lookup, 5 drafts a round), as specdec-run --target opens. On a CUDA device the engines replay
-        their steps from CUDA graphs unless ``cuda_graphs=False``; ``compiled=True`` runs them through
-        ``torch.compile`` (see ``TorchEngine``). ``scheduling``: see ``from_loaded``."""
+        checkpoint, or "none" (or None: plain decoding); "default" and ``num_draft_tokens=None`` are the
+        defaults of ``specdec_trt.policy`` (prompt lookup, 5 drafts a round), as specdec-run --target opens. On
+        a CUDA device the engines replay their steps from CUDA graphs unless ``cuda_graphs=False``;
+        ``compiled=True`` runs them through ``torch.compile`` (see ``TorchEngine``). ``scheduling``: see
+        ``from_loaded``."""
         if num_draft_tokens is not None:
             check_num_draft_tokens(num_draft_tokens)  # before loading anything
         if max_context is not None:
@@ -189,7 +190,7 @@ class SpeculativeDecoder:
     def from_engines(
         cls,
         directory: str | Path,
-        draft: str | Path | DraftSpec | None = None,
+        draft: str | Path | DraftSpec | None = DEFAULT_DRAFT,
         *,
         num_draft_tokens: DraftLength | None = None,
         threads: int | None = None,
@@ -198,8 +199,8 @@ class SpeculativeDecoder:
     ) -> SpeculativeDecoder:
         """Open an engine directory built by ``specdec-build`` on ONNX Runtime (its manifest and checksums
         are checked first). ``draft``: "engine" (the directory's own draft), "ngram", "ngram+engine", another
-        engine directory, or "none"; None and ``num_draft_tokens=None`` are the defaults of
-        ``specdec_trt.policy``, as specdec-run --engines opens: "ngram+engine" with "auto" for a directory
+        engine directory, or "none" (or None: plain decoding); "default" and ``num_draft_tokens=None`` are the
+        defaults of ``specdec_trt.policy``, as specdec-run --engines opens: "ngram+engine" with "auto" for a directory
         built with a draft, else "ngram"; a fixed draft length defaults to 5, or the engine's max draft length
         when that is smaller. "auto" chooses up to the engine's max draft length each round. ``scheduling``:
         see ``from_loaded``."""

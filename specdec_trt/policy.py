@@ -30,6 +30,7 @@ MAX_DRAFT_LENGTH = 64  # the most drafts per round a command line or a server re
 ENGINES_DEFAULT_DRAFT = LOOKUP_FIRST + ENGINE
 ENGINES_DEFAULT_DRAFT_LENGTH: DraftLength = AUTO
 DEFAULT_PRESET = "smollm2-135m"  # what the default engines are built from
+DEFAULT_DRAFT = "default"  # a draft argument that asks for the draft chosen here
 
 
 class DraftLengthWithoutDraftError(ConflictingOptionsError):
@@ -50,13 +51,14 @@ def choose_draft(
 ) -> tuple[DraftSpec, DraftLength | None]:
     """The draft a decoder opens on ``engines`` (an engine directory; None: a checkpoint) and its draft length
     where this choice already decides it (None: ``draft_length_for`` decides once the target is open).
-    ``draft`` None is the default draft, which comes with "auto" when it is lookup-first."""
-    spec = DraftSpec.parse(draft)
-    if draft is None:
+    ``draft`` ``DEFAULT_DRAFT`` is the default draft, which comes with "auto" when it is lookup-first; None and
+    "none" are plain decoding."""
+    if draft == DEFAULT_DRAFT:
         own = engines is not None and has_own_draft(engines)
-        spec = DraftSpec.parse(ENGINES_DEFAULT_DRAFT if own else NGRAM)
+        draft = ENGINES_DEFAULT_DRAFT if own else NGRAM
         if own and num_draft_tokens is None:
             num_draft_tokens = ENGINES_DEFAULT_DRAFT_LENGTH
+    spec = DraftSpec.parse(draft)
     if not spec.drafts and num_draft_tokens:
         raise DraftLengthWithoutDraftError(num_draft_tokens)
     return spec, num_draft_tokens

@@ -18,7 +18,7 @@ from specdec_trt.build import BuildRequest, build
 from specdec_trt.cli import run
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS
 from specdec_trt.drafting import LookupFirstDrafter, PromptLookupDrafter
-from specdec_trt.policy import DraftLengthWithoutDraftError, choose_draft, is_engines_default
+from specdec_trt.policy import DEFAULT_DRAFT, DraftLengthWithoutDraftError, choose_draft, is_engines_default
 from specdec_trt.serve.options import DecoderOptions
 from specdec_trt.validation import ConflictingOptionsError
 
@@ -58,7 +58,7 @@ def test_from_engines_opens_what_specdec_run_and_serve_open(built_with: str, eng
     directory = engines[built_with]
     decoder = SpeculativeDecoder.from_engines(directory)
     cli = run_json("--engines", str(directory))
-    served = DecoderOptions(BackendOptions(engines=directory), None, None, 2, 4).open(Console(stderr=True))
+    served = DecoderOptions(BackendOptions(engines=directory), DEFAULT_DRAFT, None, 2, 4).open(Console(stderr=True))
     assert opened(decoder) == (cli["draft"], cli["num_draft_tokens"]) == opened(served) == EXPECTED[built_with]
     drafter = LookupFirstDrafter if built_with == "int4" else PromptLookupDrafter
     assert isinstance(decoder.drafter, drafter) and isinstance(served.drafter, drafter)
@@ -78,6 +78,7 @@ def test_a_draft_length_without_a_draft_is_refused(target: Path) -> None:
         SpeculativeDecoder.from_pretrained(target, "none", num_draft_tokens=3)
     assert choose_draft(None, "none", 0)[1] == 0
     assert opened(SpeculativeDecoder.from_pretrained(target, "none")) == ("none", 0)
+    assert opened(SpeculativeDecoder.from_pretrained(target, None)) == ("none", 0)  # None: no draft, as "none"
 
 
 def test_backend_options_refuse_the_other_backends_options(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from rich.console import Console
 from specdec_trt.backend import BackendOptions
 from specdec_trt.cli_options import Command, DraftLengthType, backend_options
 from specdec_trt.decoder import DraftLength, SpeculativeDecoder
-from specdec_trt.policy import choose_draft
+from specdec_trt.policy import DEFAULT_DRAFT, choose_draft
 from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
 from specdec_trt.serve.app import ServerSettings, create_app
 from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
@@ -25,8 +25,10 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 @backend_options
 @click.option(
     "--draft",
+    default=DEFAULT_DRAFT,
     help="As specdec-run's --draft: 'engine', another engine directory or a checkpoint, 'ngram', 'ngram+...', "
-    "or 'none'. [default: 'ngram+engine' with -k auto for engines that have a draft; else 'ngram']",
+    "'none', or 'default': 'ngram+engine' with -k auto for engines that have a draft, else 'ngram'. "
+    "[default: default]",
 )
 @click.option(
     "--num-draft-tokens",
@@ -85,7 +87,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 )
 def serve(
     backend: BackendOptions,
-    draft: str | None,
+    draft: str,
     num_draft_tokens: DraftLength | None,
     host: str,
     port: int,
@@ -113,8 +115,7 @@ def serve(
       specdec-serve --ray --replicas 2 --threads 1
     """
     err = Console(stderr=True)
-    if draft is not None:
-        choose_draft(backend.engines, draft, num_draft_tokens)  # a usage error before the server starts
+    choose_draft(backend.engines, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
     settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
     options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds)

@@ -20,7 +20,7 @@ class DecoderOptions:
     may hold up the running requests (``prefill_chunk_rounds``, in rounds; 0: no bound)."""
 
     backend: BackendOptions
-    draft: str | None
+    draft: str
     num_draft_tokens: DraftLength | None
     max_batch_size: int
     max_queue: int
