@@ -14,7 +14,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDES = [ROOT / "README.md", ROOT / "scripts" / "README.md", ROOT / "docs" / "SERVING.md"]
+GUIDES = [
+    ROOT / "README.md",
+    ROOT / "scripts" / "README.md",
+    *(ROOT / "docs" / name for name in ("GUIDE.md", "SERVING.md", "GPU.md")),
+]
 CONSOLE_SCRIPTS = ("specdec-run", "specdec-build", "specdec-bench", "specdec-distill", "specdec-serve")
 BIN = Path(sys.executable).parent
 
@@ -89,6 +93,7 @@ def test_the_guides_show_commands() -> None:
     assert len(guide_commands()) >= 20
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("guide", "command"), guide_commands())
 def test_every_command_exists_with_its_options(guide: str, command: str) -> None:
     argv = ours(command)
