@@ -14,9 +14,11 @@ from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE
 
 from specdec_trt import SpeculativeDecoder
 from specdec_trt.backend import BackendOptions
+from specdec_trt.bench.cli import default_drafts
 from specdec_trt.build import BuildRequest, build
 from specdec_trt.cli import run
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS
+from specdec_trt.draft_spec import DraftSpec
 from specdec_trt.drafting import LookupFirstDrafter, PromptLookupDrafter
 from specdec_trt.policy import DEFAULT_DRAFT, DraftLengthWithoutDraftError, choose_draft, is_engines_default
 from specdec_trt.serve.options import DecoderOptions
@@ -62,6 +64,13 @@ def test_from_engines_opens_what_specdec_run_and_serve_open(built_with: str, eng
     assert opened(decoder) == (cli["draft"], cli["num_draft_tokens"]) == opened(served) == EXPECTED[built_with]
     drafter = LookupFirstDrafter if built_with == "int4" else PromptLookupDrafter
     assert isinstance(decoder.drafter, drafter) and isinstance(served.drafter, drafter)
+
+
+@pytest.mark.parametrize("built_with", list(EXPECTED))
+def test_specdec_bench_measures_the_default_drafter_first(built_with: str, engines: dict[str, Path]) -> None:
+    """With no --draft, specdec-bench's first drafter is the one the policy opens by default."""
+    directory = engines[built_with]
+    assert DraftSpec.parse(default_drafts(directory)[0]) == choose_draft(directory, DEFAULT_DRAFT, None)[0]
 
 
 def test_from_pretrained_opens_what_specdec_run_opens(target: Path) -> None:

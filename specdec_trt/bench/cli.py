@@ -36,6 +36,7 @@ from specdec_trt.cli_options import SEED, Command, backend_options, number_list
 from specdec_trt.decoder import AUTO, AUTO_MAX_DRAFT_TOKENS, DraftLength, check_context, check_draft_length
 from specdec_trt.draft_spec import ENGINE, NGRAM, DraftSpec
 from specdec_trt.loading import LoadedModels
+from specdec_trt.policy import ENGINES_DEFAULT_DRAFT, has_own_draft
 from specdec_trt.runtime.ort_engine import OrtEngine
 
 LOOKUP_ROOM = 64  # llama.cpp's positions beyond our context, for the drafts its prompt lookup verifies
@@ -62,6 +63,14 @@ def _draft_lengths(schedule: str):
     return parse
 
 
+def default_drafts(engines: Path | None) -> tuple[str, ...]:
+    """What a run measures when no draft is named: on engines with a draft of their own, the policy's default
+    drafter and each of its parts alone; elsewhere prompt lookup."""
+    if engines is not None and has_own_draft(engines):
+        return (ENGINES_DEFAULT_DRAFT, ENGINE, NGRAM)
+    return (NGRAM,)
+
+
 def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     """transformers' default draft lengths: the integers of ours, and its HEURISTIC schedule beside AUTO."""
     return tuple(k for k in gammas if k != AUTO) + ((HEURISTIC,) if AUTO in gammas else ())
@@ -76,7 +85,8 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     help="A draft to measure (repeatable): 'ngram' (prompt lookup); with engines 'int4' or 'engine' (the "
     "directory's own draft) or another engine directory; with --target a draft checkpoint; 'ngram+' before "
     "a model draft ('ngram+int4') drafts by prompt lookup where it matches and with that model elsewhere. "
-    "[default: the engines' own draft and ngram; with --target, ngram]",
+    "[default: on engines with a draft of their own, the default drafter 'ngram+engine' and each of its parts "
+    "alone, 'engine' and 'ngram'; else 'ngram']",
 )
 @click.option(
     "--suite",
@@ -238,10 +248,10 @@ def bench(
         seed=seed,
         ignore_eos=ignore_eos,
     )
-    default_drafts = (NGRAM,) if backend.on_pytorch else (ENGINE, NGRAM)
-    specs = [DraftSpec.parse(d) for d in drafts or default_drafts]
+    specs = [DraftSpec.parse(d) for d in drafts]  # a bad --draft is an error before anything is built
     loaded_suites = [load_suite(name) for name in config.suites]
     backend = backend.resolved(err)
+    specs = specs or [DraftSpec.parse(d) for d in default_drafts(backend.engines)]
     with err.status("Loading models…") as status:
         models = backend.open(specs, err)
         ours = OursRunner(models, torch_threads if backend.on_pytorch else 1)
