@@ -27,6 +27,11 @@ from specdec_trt.validation import (
 PREFIX = "invalid sampling parameters: "
 
 
+# The largest temperature float32 rounds to 0 (half its smallest subnormal; the tie goes to the even 0). The
+# sampler divides by float32 temperatures, so every temperature up to this one is greedy, its limit.
+LARGEST_GREEDY_TEMPERATURE = 2.0**-150
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one request. ``temperature=0`` is greedy decoding (the default); ``top_k=0`` and
@@ -74,7 +79,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one that float32, the sampler's precision, rounds to 0 (its limit is greedy)."""
+        return self.temperature <= LARGEST_GREEDY_TEMPERATURE
 
 
 def new_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
@@ -128,9 +134,9 @@ class BatchSampler:
         self.top_k = column("top_k", torch.int64)
         self.top_p = column("top_p", torch.float32)
         self.min_p = column("min_p", torch.float32)
-        self.greedy = self.temperature == 0
-        self.all_greedy = all(p.greedy for p in self.params)
-        self._any_greedy = any(p.greedy for p in self.params)
+        greedy = [p.greedy for p in self.params]
+        self.greedy = to_device(torch.tensor(greedy), self.device)
+        self.all_greedy, self._any_greedy = all(greedy), any(greedy)
         self._needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in self.params if not p.greedy)
         self._needs_min_p = any(p.min_p > 0 for p in self.params if not p.greedy)
         # Each request's own generator (kept by the request across rounds), or fresh ones from the seeds.

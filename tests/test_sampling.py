@@ -330,6 +330,19 @@ def test_different_seeds_give_different_tokens() -> None:
     assert (first != second).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 2.0**-150])
+def test_a_temperature_float32_rounds_to_zero_is_greedy(temperature: float) -> None:
+    """The sampler computes in float32: a temperature that rounds to 0 there must be greedy everywhere, not
+    divided by 0 nor sampled at another temperature, whatever the seed and the rows beside it."""
+    assert SamplingParams(temperature=temperature).greedy and not SamplingParams(temperature=2.0**-149).greedy
+    logits = random_logits(4, 1, seed=12)[:, 0]
+    for seed in range(8):
+        rows = [SamplingParams(temperature=temperature, seed=seed), SamplingParams(temperature=1.0, seed=seed)] * 2
+        tokens, probs = BatchSampler(rows).draw(logits)
+        assert torch.equal(tokens[0::2], logits[0::2].argmax(-1))
+        assert torch.equal(probs[0::2], torch.nn.functional.one_hot(logits[0::2].argmax(-1), VOCAB).float())
+
+
 def test_all_greedy_sample_is_argmax() -> None:
     probs = flat_probs(5, seed=9)
     sampler = BatchSampler([SamplingParams(seed=3)] * 5)
