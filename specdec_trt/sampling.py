@@ -137,8 +137,9 @@ class BatchSampler:
         greedy = [p.greedy for p in self.params]
         self.greedy = to_device(torch.tensor(greedy), self.device)
         self.all_greedy, self._any_greedy = all(greedy), any(greedy)
-        self._needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in self.params if not p.greedy)
-        self._needs_min_p = any(p.min_p > 0 for p in self.params if not p.greedy)
+        sampled = [p for p, g in zip(self.params, greedy) if not g]
+        self._needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in sampled)
+        self._needs_min_p = any(p.min_p > 0 for p in sampled)
         # Each request's own generator (kept by the request across rounds), or fresh ones from the seeds.
         self.generators = (
             list(generators) if generators is not None else [new_generator(p, self.device) for p in params]
