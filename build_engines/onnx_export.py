@@ -3,8 +3,10 @@
 The graph is written node by node from the model's weights, using ONNX Runtime's fused contrib operators:
 ``SkipSimplifiedLayerNormalization`` (residual add + RMSNorm) and ``GroupQueryAttention`` (rotary
 embedding + attention + KV cache write). The KV cache of every layer is a graph input and output in BNSH
-layout with ``max_context`` positions; the runtime binds the same buffer as both (GQA's shared
-past/present buffer), so a step writes only the new tokens' keys and values and never copies the cache.
+layout; the runtime binds the same buffer as both (GQA's shared past/present buffer), so a step writes only
+the new tokens' keys and values and never copies the cache. The buffer's positions are a dimension of the
+graph, not fixed at ``max_context``: the runtime grows the buffer as its sequences grow, so short sequences
+neither hold nor sweep a long context's memory.
 Per-row cache lengths come in as ``seqlens_k``: rolling back a rejected draft is a smaller number. Each row's
 count of new tokens comes in as ``query_seqlens``, which lets GroupQueryAttention take several new tokens
 for every row of a batch in one pass (a batched verify, a prefill chunk).
@@ -20,7 +22,7 @@ Inputs:  input_ids [1, N] int64 (the N new tokens, row after row), unpack_index 
          packed token's flat padded position b * T + t), logits_index [M] int64 (packed tokens whose logits
          to return), seqlens_k [B] int32 (cached + new tokens - 1), total_sequence_length [] int32 (an upper
          bound of cached + new tokens), query_seqlens [B] int32 (new tokens per row),
-         past_key.{i} / past_value.{i} [B, H_kv, max_context, D]
+         past_key.{i} / past_value.{i} [B, H_kv, P, D] (P positions, at most max_context)
 Outputs: logits [1, M, V] float32, present_key.{i} / present_value.{i} (the same buffers)
 """
 
@@ -135,7 +137,7 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
     else:
         _pruned_logits(graph, picked, head, config)
 
-    cache_shape = ["batch", config.num_kv_heads, model.max_context, config.head_dim]
+    cache_shape = ["batch", config.num_kv_heads, "cache_positions", config.head_dim]
     inputs = [
         helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "new_tokens"]),
         helper.make_tensor_value_info("unpack_index", TensorProto.INT64, ["batch", "width"]),

@@ -56,6 +56,11 @@ class Engine(ABC):
     def occupied(self, slot: int) -> bool:
         return slot in self._row_of
 
+    @property
+    @abstractmethod
+    def slot_cache_bytes(self) -> int:
+        """Bytes of keys and values one slot holds at the full context (every slot's row is that size)."""
+
     def reserve(self, num_slots: int) -> None:
         """Hold at least ``num_slots`` slots, keeping every cached row (the cache is reallocated to grow)."""
         if num_slots > self.num_slots:

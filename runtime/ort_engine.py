@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import torch
 from onnxruntime.capi.onnxruntime_pybind11_state import set_global_thread_pool_sizes
@@ -24,6 +25,7 @@ from specdec_trt.runtime.engine import Engine
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 _REBUILD = "rebuild the engines with specdec-build"
+FIRST_CACHE_POSITIONS = 512  # positions of each cache row at first; doubled as the sequences need
 _pool_threads: int | None = None  # intra-op threads of the process-wide pool, once set (0: one per core)
 
 
@@ -49,9 +51,13 @@ def check_graph(session: ort.InferenceSession, spec: OrtModelSpec) -> None:
     """Refuse a graph whose cache inputs or logits differ from ``spec`` (a manifest edited after the build
     would otherwise fail inside ONNX Runtime at the first step)."""
     caches = [i for i in session.get_inputs() if i.name.startswith("past_")]
-    expected = [spec.num_kv_heads, spec.max_context, spec.head_dim]
+    grows = bool(caches) and isinstance(caches[0].shape[2], str)  # positions a dimension: the buffers grow
+    positions = caches[0].shape[2] if grows else spec.max_context
+    expected = [spec.num_kv_heads, positions, spec.head_dim]
     element = "tensor(float16)" if spec.dtype == "float16" else "tensor(float)"
     problems = []
+    if grows and (rotary := rotary_positions(spec.path)) != spec.max_context:
+        problems.append(f"rotary tables for {rotary} positions, not {spec.max_context}")
     if len(caches) != 2 * spec.num_layers:
         problems.append(f"{len(caches) // 2} layers of cache, not {spec.num_layers}")
     if any(list(i.shape[1:]) != expected for i in caches):
@@ -63,6 +69,12 @@ def check_graph(session: ort.InferenceSession, spec: OrtModelSpec) -> None:
         problems.append(f"logits over {None if logits is None else logits.shape[-1]} tokens, not {spec.vocab_size}")
     if problems:
         raise GraphMismatchError(f"{spec.path} has {'; '.join(problems)} as its manifest says: {_REBUILD}")
+
+
+def rotary_positions(path: Path) -> int | None:
+    """Positions the graph's rotary tables cover: its context (None: it has none), read without its weights."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return next((int(i.dims[0]) for i in graph.initializer if i.name == "rope_cos"), None)
 
 
 def size_thread_pool(threads: int | None = None) -> None:
@@ -94,7 +106,10 @@ def session_options(threads: int | None = None) -> ort.SessionOptions:
 class OrtEngine(Engine):
     """The Engine protocol over an ONNX Runtime session of a graph made by ``build_engines.onnx_export``.
     ``profile_prefix``: have ONNX Runtime time every node of every run, into a JSON trace whose path
-    ``self.session.end_profiling()`` returns (for benchmarks: where a step's time goes)."""
+    ``self.session.end_profiling()`` returns (for benchmarks: where a step's time goes).
+
+    Each cache row holds ``FIRST_CACHE_POSITIONS`` positions at first, and all rows double together (up to the
+    context) when a pass needs more: a short sequence's pass neither holds nor sweeps a long context's buffer."""
 
     packs_rows = True
 
@@ -116,17 +131,32 @@ class OrtEngine(Engine):
         self.max_draft_len: int | None = spec.max_draft_len
         self.device = torch.device("cpu")
         self._cache_names = [i.name for i in self.session.get_inputs() if i.name.startswith("past_")]
+        fixed = next(i.shape[2] for i in self.session.get_inputs() if i.name == self._cache_names[0])
+        # A graph of an older build fixes its buffers at the full context; a newer one's grow as needed.
+        self._fixed_positions = fixed if isinstance(fixed, int) else None
+        self._positions = self._fixed_positions or min(FIRST_CACHE_POSITIONS, self.max_context)
         self._caches: dict[str, np.ndarray] = {}
         self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # per row range: its cache views, bound
 
+    @property
+    def slot_cache_bytes(self) -> int:
+        itemsize = np.dtype(_NUMPY_DTYPES[self.spec.dtype]).itemsize
+        return len(self._cache_names) * self.spec.num_kv_heads * self.max_context * self.spec.head_dim * itemsize
+
     def _resize(self, rows: int, keep_rows: int, keep_positions: int) -> None:
-        shape = (rows, self.spec.num_kv_heads, self.max_context, self.spec.head_dim)
+        shape = (rows, self.spec.num_kv_heads, self._positions, self.spec.head_dim)
         dtype = _NUMPY_DTYPES[self.spec.dtype]
         old, self._caches = self._caches, {name: np.zeros(shape, dtype) for name in self._cache_names} if rows else {}
         for name, cache in old.items():
             if keep_rows and rows:
                 self._caches[name][:keep_rows, :, :keep_positions] = cache[:keep_rows, :, :keep_positions]
         self._bindings = {}
+
+    def _make_room(self, positions: int) -> None:
+        """Grow every row of the caches to hold ``positions`` (doubling, up to the context), keeping their tokens."""
+        if positions > self._positions:
+            self._positions = min(self.max_context, max(2 * self._positions, 1 << (positions - 1).bit_length()))
+            self._resize(self.num_slots, len(self._slot_at), int(self._lengths.max(initial=0)))
 
     def _move_row(self, source: int, destination: int, length: int) -> None:
         for cache in self._caches.values():
@@ -141,6 +171,7 @@ class OrtEngine(Engine):
     def _copy_positions(self, source: Engine, source_row: int, row: int, start: int, stop: int) -> None:
         if not isinstance(source, OrtEngine) or not self._same_layout(source):
             raise ValueError("copying a cache needs an engine with the same cache layout (a self-draft)")
+        self._make_room(stop)
         for name, cache in self._caches.items():
             cache[row, :, start:stop] = source._caches[name][source_row, :, start:stop]
 
@@ -173,6 +204,7 @@ class OrtEngine(Engine):
         counts = num_new - logits_from  # logits asked for per row
         returned = np.arange(int(counts.max())) < counts[:, None]  # [rows, K]
         seqlens = starts + num_new - 1  # each row then holds seqlens + 1 tokens
+        self._make_room(int(seqlens.max()) + 1)
         inputs = {
             "input_ids": ids[real][None],
             "unpack_index": offsets[:, None] + np.minimum(np.arange(width), num_new[:, None] - 1),

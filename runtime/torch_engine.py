@@ -87,6 +87,11 @@ class TorchEngine(Engine):
         """CUDA graphs captured for the current number of slots (0 when eager)."""
         return 0 if self._captured is None else self._captured.num_graphs
 
+    @property
+    def slot_cache_bytes(self) -> int:
+        c = self.model.config
+        return 2 * c.num_layers * c.num_kv_heads * self.max_context * c.head_dim * self.dtype.itemsize
+
     def _resize(self, rows: int, keep_rows: int, keep_positions: int) -> None:
         old, self._cache, self._captured = self._cache, None, None
         if rows:

@@ -38,7 +38,7 @@ MAX_DRAFT_LEN_LIMIT = 32
 VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
 QUANTIZATIONS = ("none", "int4")  # of a model built from its own checkpoint; int4: MatMulNBits, block 32
 PRESETS = {
-    "smollm2-135m": {"target": None, "draft": INT4, "max_draft_len": 8, "max_context": 2048, "dtype": "float32"},
+    "smollm2-135m": {"target": None, "draft": INT4, "max_draft_len": 8, "max_context": 8192, "dtype": "float32"},
 }
 
 

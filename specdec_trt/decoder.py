@@ -103,9 +103,10 @@ class SpeculativeDecoder:
     replaces auto's cost-aware stop with a fixed cut-off (as transformers' ``assistant_confidence_threshold``):
     a model draft's rounds run up to the limit and end after a token the draft drew with less than this
     probability in every row (from its warped distribution where the row samples; 0: never); prompt lookup's
-    rounds draft the length auto chooses. ``max_batch_size``, ``max_queue``, ``prefill_chunk`` and
-    ``prefill_chunk_rounds`` set up its ``Scheduler``. ``draft``: what the drafter was opened as (the
-    constructors fill it in). The decoder owns its engines: while it serves, nothing else may run them.
+    rounds draft the length auto chooses. ``max_batch_size``, ``max_queue``, ``prefill_chunk``,
+    ``prefill_chunk_rounds`` and ``prefix_cache`` (on: a request whose prompt starts as an earlier one's reuses
+    its keys and values, ``specdec_trt.prefix_cache``) set up its ``Scheduler``. ``draft``: what the drafter was
+    opened as (the constructors fill it in). The decoder owns its engines: while it serves, nothing else may run them.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class SpeculativeDecoder:
         max_queue: int | None = None,
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefill_chunk_rounds: float | None = DEFAULT_PREFILL_CHUNK_ROUNDS,
+        prefix_cache: bool = True,
         draft: DraftSpec | None = None,
     ) -> None:
         check_num_draft_tokens(num_draft_tokens)
@@ -144,6 +146,7 @@ class SpeculativeDecoder:
             max_queue=max_queue,
             prefill=PrefillPolicy(prefill_chunk, prefill_chunk_rounds),
             draft_confidence_threshold=draft_confidence_threshold,
+            prefix_cache=prefix_cache,
         )
         self.max_context = self.scheduler.max_context
 
@@ -223,7 +226,7 @@ class SpeculativeDecoder:
         """A decoder over models opened by ``specdec_trt.loading`` with at most one draft, ``draft`` being what
         they were opened with (kept as ``decoder.draft``). ``num_draft_tokens=None`` is the policy's fixed
         default for the opened target (0 without a drafter). ``scheduling``: ``max_batch_size``,
-        ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds`` (see ``Scheduler``)."""
+        ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds``, ``prefix_cache`` (see ``Scheduler``)."""
         drafter = loaded.only_drafter()
         return cls(
             loaded.target,
@@ -305,6 +308,13 @@ class SpeculativeDecoder:
         engine = getattr(self.drafter, "engine", None)
         if engine is not None:
             engine.close()
+
+    @property
+    def slot_cache_bytes(self) -> int:
+        """Bytes of keys and values one slot holds in the target's and the draft model's caches: every slot holds
+        the full context, so ``max_batch_size`` slots take at most that many times this."""
+        draft = getattr(self.drafter, "engine", None)
+        return self.target.slot_cache_bytes + (0 if draft is None else draft.slot_cache_bytes)
 
     def draft_reserve(self, num_draft_tokens: DraftLength | None = None) -> int:
         """Positions a request's rounds may draft into past its prompt and new tokens: its draft length, or

@@ -25,11 +25,15 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from specdec_trt.draft_store import DraftStore
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
 
-MODEL, LOOKUP = "model", "lookup"  # the kinds of draft a drafter's parts draft with (``Drafter.parts``)
+# The kinds of draft a drafter's parts draft with (``Drafter.parts``): a draft model, prompt lookup in the request's
+# own text, and lookup in earlier requests' text (``specdec_trt.draft_store``).
+MODEL, LOOKUP, STORE = "model", "lookup", "store"
+STORE_DRAFT_TOKENS = 64  # the most tokens a match in the store offers (a round drafts at most its limit of them)
 LOOKUP_FIRST_MIN_NGRAM = 2  # shortest match on which lookup-first drafts by lookup rather than by its model
 StopRule = Callable[[torch.Tensor, Sequence[int], np.ndarray], bool]
 """Asked after each drafted token with the draft's confidence in it per row [n], the rows' slots, and which
@@ -134,14 +138,19 @@ class Drafter(Protocol):
     def occupied(self, slot: int) -> bool:
         """Whether ``slot`` holds a sequence the drafter follows."""
 
-    def admit(self, slot: int) -> None:
-        """Start following a new sequence in ``slot``."""
+    def admit(self, slot: int, prefix: Sequence[int] = (), source: int | None = None) -> None:
+        """Start following a new sequence in ``slot``, whose first tokens ``prefix`` the target's cache already
+        holds (a cached prefix, reused in ``slot`` or copied from ``source``'s): what the drafter's own cache of
+        that slot holds of them is kept, the rest caught up. ``slot`` may still follow an ended sequence."""
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
         """The next chunk of each slot's prompt (the target has already run them)."""
 
     def release(self, slot: int) -> None:
         """Stop following ``slot``."""
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """An ended request's tokens, for later requests' drafts (kept where the drafter has a store)."""
 
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
         """Which part drafts each row next, and what it found to draft from (a drafter combining two kinds of
@@ -191,9 +200,34 @@ class ModelDrafter:
     def occupied(self, slot: int) -> bool:
         return self.engine.occupied(slot)
 
-    def admit(self, slot: int) -> None:
-        self.engine.admit(slot)
-        self._cached[slot], self._fed[slot] = 0, []
+    def admit(self, slot: int, prefix: Sequence[int] = (), source: int | None = None) -> None:
+        """A model draft keeps the prefix its cache of ``source`` (default: ``slot``) holds, copied over when it
+        is another slot's, and runs the rest in one step; a self-draft copies what it lacks from the target."""
+        self._read_last_round()
+        source = slot if source is None else source
+        held = self._held(source, len(prefix))
+        if not self.engine.occupied(slot):
+            self.engine.admit(slot)
+        if source == slot:
+            self.engine.truncate([slot], [held])
+        else:
+            self.engine.truncate([slot], [0])
+            if self.cache_from is None and held:
+                self.engine.copy_from(self.engine, slot, held, source)
+        if self.cache_from is not None:
+            self.engine.copy_from(self.cache_from, slot, len(prefix))
+        elif held < len(prefix):
+            rest = list(prefix[held:])
+            self.engine.step([slot], torch.tensor([rest]), [len(rest)], [len(rest) - 1])
+        self._cached[slot], self._fed[slot] = len(prefix), []
+
+    def _held(self, slot: int, limit: int) -> int:
+        """Tokens of the sequence ``slot`` followed that its cache holds, up to ``limit``: the committed ones, and
+        for a self-draft only those whose keys and values came from the target (not the newest, fed by itself)."""
+        if slot not in self._cached or not self.engine.occupied(slot):
+            return 0
+        committed = self._cached[slot] - (self.cache_from is not None)
+        return max(0, min(committed, int(self.engine.lengths[slot]), limit))
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
         """Run the chunks on the draft in one step, or, for a self-draft, copy the target's keys and values."""
@@ -210,6 +244,9 @@ class ModelDrafter:
         self._read_last_round()
         self.engine.release(slot)
         del self._cached[slot], self._fed[slot]
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """A model draft keeps no store."""
 
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
         return [Part(MODEL)] * len(sequences)
@@ -300,16 +337,25 @@ class PromptLookupDrafter:
     """Model-free drafting by n-gram match (as transformers' ``prompt_lookup_num_tokens`` and vLLM's
     ngram method): find the most recent earlier occurrence of the sequence's last n tokens (n from
     ``max_ngram`` down to ``min_ngram``) and propose the tokens that followed it. A row drafts as many tokens
-    as it finds, up to its limit (none where it finds no match).
+    as it finds, up to its limit (none where it finds no match). Given a ``store``, a row whose own text has no
+    match as long as the store's shortest drafts from earlier requests' text (a STORE part) where the store has
+    one.
 
     The defaults (matches of 1 to 4 tokens) come from replaying the default model's outputs on the bench
     suites (docs/MEASUREMENTS.md): with auto, drafting after a one-token match pays."""
 
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        max_ngram: int = 4,
+        min_ngram: int = 1,
+        device: torch.device | str = "cpu",
+        store: DraftStore | None = None,
+    ) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram} and {max_ngram}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.device = torch.device(device)
+        self.store = store
         self.max_context: int | None = None
 
     def reserve(self, num_slots: int) -> None:
@@ -318,8 +364,8 @@ class PromptLookupDrafter:
     def occupied(self, slot: int) -> bool:
         return False
 
-    def admit(self, slot: int) -> None:
-        """Prompt lookup keeps no state."""
+    def admit(self, slot: int, prefix: Sequence[int] = (), source: int | None = None) -> None:
+        """Prompt lookup keeps no state: it searches each round's sequence afresh."""
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
         """Prompt lookup keeps no state."""
@@ -327,9 +373,20 @@ class PromptLookupDrafter:
     def release(self, slot: int) -> None:
         """Prompt lookup keeps no state."""
 
+    def remember(self, tokens: Sequence[int]) -> None:
+        if self.store is not None:
+            self.store.add(tokens)
+
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
-        """Each row's match (one search of its sequence a round: the draft copies from it)."""
-        return [Part(LOOKUP, self.match(np.asarray(s, dtype=np.int64), len(s))) for s in sequences]
+        """Each row's match in its own text, else in the store (one search a round: the draft copies from it)."""
+        return [self._part(np.asarray(s, dtype=np.int64)) for s in sequences]
+
+    def _part(self, sequence: np.ndarray) -> Part:
+        own = self.match(sequence, len(sequence))
+        if self.store is None or own[0] >= self.store.min_ngram:
+            return Part(LOOKUP, own)
+        earlier = self.store.match(sequence, STORE_DRAFT_TOKENS)
+        return Part(STORE, earlier) if earlier[0] else Part(LOOKUP, own)
 
     def propose(
         self,
@@ -339,11 +396,19 @@ class PromptLookupDrafter:
         sampler: BatchSampler,
         plan: DraftPlan | None = None,
     ) -> Draft:
-        """Given a stop rule for LOOKUP, the copied tokens report ``lookup_confidence`` and the round ends
-        after the first token the rule stops at (``sampler`` is not needed: the drafts are deterministic)."""
+        """Given a stop rule for its kind (LOOKUP or STORE), a row's copied tokens report ``lookup_confidence``
+        and its kind's rows end after the first token the rule stops at (``sampler`` is not needed: the drafts are
+        deterministic)."""
         parts = self.parts(sequences) if plan is None else plan.parts
-        matches = [(part.match[0], part.match[1][: int(k)]) for part, k in zip(parts, limits)]
-        return self.draft_from(matches, slots, sequences, None if plan is None else plan.stop_rules.get(LOOKUP))
+        drafts = []
+        for kind in (LOOKUP, STORE):
+            rows = [i for i, part in enumerate(parts) if part.kind == kind]
+            if rows:
+                matches = [(parts[i].match[0], parts[i].match[1][: int(limits[i])]) for i in rows]
+                rule = None if plan is None else plan.stop_rules.get(kind)
+                picked = [slots[i] for i in rows], [sequences[i] for i in rows]
+                drafts.append((rows, self.draft_from(matches, *picked, rule)))
+        return merge_drafts(drafts, len(sequences))
 
     def draft_from(
         self,
@@ -405,13 +470,15 @@ class LookupFirstDrafter:
     drafts.
 
     Lookup drafts only after a match of at least ``LOOKUP_FIRST_MIN_NGRAM`` tokens: after a match of one
-    token, prompt lookup is right less often than a model draft.
+    token, prompt lookup is right less often than a model draft. Given a ``store``, a row whose own text has no
+    match as long as the store's shortest drafts from earlier requests' text where the store has one, before
+    the model.
 
     Lossless as each part is: which part drafts a row depends only on its committed sequence. The model's cache
     skips a row's lookup rounds; ``ModelDrafter`` feeds it the tokens committed meanwhile when it next drafts."""
 
-    def __init__(self, model: ModelDrafter) -> None:
-        self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, device=model.engine.device)
+    def __init__(self, model: ModelDrafter, store: DraftStore | None = None) -> None:
+        self.lookup = PromptLookupDrafter(min_ngram=LOOKUP_FIRST_MIN_NGRAM, device=model.engine.device, store=store)
         self.model = model
         self.engine = model.engine
         self.max_context: int | None = model.max_context
@@ -422,8 +489,8 @@ class LookupFirstDrafter:
     def occupied(self, slot: int) -> bool:
         return self.model.occupied(slot)
 
-    def admit(self, slot: int) -> None:
-        self.model.admit(slot)
+    def admit(self, slot: int, prefix: Sequence[int] = (), source: int | None = None) -> None:
+        self.model.admit(slot, prefix, source)
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
         self.model.prefill(slots, chunks)
@@ -431,9 +498,11 @@ class LookupFirstDrafter:
     def release(self, slot: int) -> None:
         self.model.release(slot)
 
+    def remember(self, tokens: Sequence[int]) -> None:
+        self.lookup.remember(tokens)
+
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
-        matches = [self.lookup.match(np.asarray(s, dtype=np.int64), len(s)) for s in sequences]
-        return [Part(LOOKUP, match) if match[0] else Part(MODEL) for match in matches]
+        return [part if part.match[0] else Part(MODEL) for part in self.lookup.parts(sequences)]
 
     def propose(
         self,
@@ -445,8 +514,8 @@ class LookupFirstDrafter:
     ) -> Draft:
         plan = DraftPlan(self.parts(sequences)) if plan is None else plan
         drafts: list[tuple[list[int], Draft]] = []
-        for kind, drafter in ((LOOKUP, self.lookup), (MODEL, self.model)):
-            rows = [i for i, part in enumerate(plan.parts) if part.kind == kind]
+        for kinds, drafter in (((LOOKUP, STORE), self.lookup), ((MODEL,), self.model)):
+            rows = [i for i, part in enumerate(plan.parts) if part.kind in kinds]
             if rows:
                 picked = (
                     [slots[i] for i in rows],

@@ -20,6 +20,7 @@ from specdec_trt.build_engines.checkpoint import (
 )
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, Manifest, ModelEntry, read_manifest
 from specdec_trt.draft_spec import ENGINE, INT4, LOOKUP_FIRST, NGRAM, DraftSpec
+from specdec_trt.draft_store import DraftStore
 from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine, OrtModelSpec
@@ -226,9 +227,9 @@ def _add(
     if not spec.drafts:
         return
     if model is None:
-        label, drafter = NGRAM, PromptLookupDrafter(device=device)
+        label, drafter = NGRAM, PromptLookupDrafter(device=device, store=DraftStore())
     elif spec.lookup:
-        label, drafter = LOOKUP_FIRST + label, LookupFirstDrafter(model)
+        label, drafter = LOOKUP_FIRST + label, LookupFirstDrafter(model, DraftStore())
     else:
         drafter = model
     if label in loaded.drafters:

@@ -3,11 +3,11 @@
 The scheduler's round calls ``plan`` before drafting and ``observe`` after verifying. A request with a fixed
 ``num_draft_tokens`` drafts that many (fewer near its end or the context's); an "auto" request's length
 comes from its kind of draft's ``DraftLengthController``, planned into the verify pass as the other rows
-leave it: prompt lookup's rows first (their drafts cost nearly nothing to make), then the model draft's
-around the width lookup's take. Each kind that drafts gets a stop rule: auto's cost-aware stop, or, with
-``confidence_threshold``, a fixed cut-off for model drafts (a probability threshold means nothing for
-prompt lookup, whose rounds then draft the planned length). Rows with a fixed length keep a round going
-while they draft.
+leave it: prompt lookup's rows first, then the rows drafting from earlier requests' text (the store; both
+copy tokens that cost nearly nothing to make), then the model draft's around the width those take. Each kind
+that drafts gets a stop rule: auto's cost-aware stop, or, with ``confidence_threshold``, a fixed cut-off for
+model drafts (a probability threshold means nothing for copied tokens, whose rounds then draft the planned
+length). Rows with a fixed length keep a round going while they draft.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from specdec_trt.costs import Costs, PassContext
 from specdec_trt.draft_length import AcceptanceEvidence, DraftLengthController
-from specdec_trt.drafting import LOOKUP, MODEL, Drafter, DraftPlan, Part, StopRule, confidence_below
+from specdec_trt.drafting import LOOKUP, MODEL, STORE, Drafter, DraftPlan, Part, StopRule, confidence_below
 from specdec_trt.request import Request
 from specdec_trt.speculation import RoundResult
 
@@ -47,7 +47,7 @@ class DraftPlanner:
     ) -> None:
         self.drafter, self.max_auto_draft, self.max_context, self.costs = drafter, max_auto_draft, max_context, costs
         self.confidence_threshold = confidence_threshold
-        self.controllers = {kind: DraftLengthController(max_auto_draft, costs) for kind in (MODEL, LOOKUP)}
+        self.controllers = {kind: DraftLengthController(max_auto_draft, costs) for kind in (MODEL, LOOKUP, STORE)}
 
     def plan(self, rows: Sequence[Request], chunk: bool = False, chunk_follows: bool = False) -> RoundPlan:
         """The round of the decoding ``rows``. ``chunk``: a prefill chunk rides in the verify pass;
@@ -74,14 +74,15 @@ class DraftPlanner:
 
     def observe(self, rows: Sequence[Request], plan: RoundPlan, result: RoundResult) -> None:
         """Feed each kind's controller its auto rows' drafts, acceptances and confidences, and its drafting
-        seconds when no other row drafted, except that the model's rows take them beside prompt lookup's,
-        whose search on the host is small next to a model step."""
+        seconds when no other row drafted, except that the model's rows take them beside the rows that copy
+        tokens (prompt lookup, the store), whose search on the host is small next to a model step."""
         confidence = None if result.confidence is None else result.confidence.get().numpy()
         for kind, controller in self.controllers.items():
             members = [i for i in plan.auto if plan.draft.parts[i].kind == kind]
             if not members:
                 continue
-            besides = {i for i in plan.auto if kind == MODEL and plan.draft.parts[i].kind == LOOKUP} | set(members)
+            copied = {i for i in plan.auto if plan.draft.parts[i].kind in (LOOKUP, STORE)}
+            besides = (copied if kind == MODEL else set()) | set(members)
             alone = not any(n and i not in besides for i, n in enumerate(result.num_drafted))
             drafted = [result.num_drafted[i] for i in members]
             if alone and max(drafted):
@@ -106,7 +107,7 @@ class DraftPlanner:
         """Fill in ``limits`` for the auto rows, kind of draft by kind of draft, each planned into the pass as
         the others leave it; the stop rules of the kinds that draft."""
         fixed_slots = [r.slot for r, k in zip(rows, limits) if k > 0]
-        members = {kind: [i for i in auto if parts[i].kind == kind] for kind in (LOOKUP, MODEL)}
+        members = {kind: [i for i in auto if parts[i].kind == kind] for kind in (LOOKUP, STORE, MODEL)}
         planned_tokens = float(len(rows) - len(auto))  # the other rows' own tokens, at least
         unplanned = len(auto)
         stop_rules: dict[str, StopRule] = {}
@@ -144,4 +145,4 @@ class DraftPlanner:
         controller = self.controllers[kind]
         if self.confidence_threshold is None:
             return controller.stop_rule(slots, evidence, context, fixed_slots, controller.best_rate)
-        return None if kind == LOOKUP else confidence_below(self.confidence_threshold, fixed_slots)
+        return None if kind != MODEL else confidence_below(self.confidence_threshold, fixed_slots)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from specdec_trt.build import PRESETS, BuildRequest, cache_root
+from specdec_trt.build_engines.checkpoint import default_model_path
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, EngineDirectoryError, read_manifest
 from specdec_trt.build_lock import build_lock
 from specdec_trt.draft_spec import AUTO, ENGINE, LOOKUP_FIRST, NGRAM, DraftLength, DraftSpec
@@ -90,13 +91,21 @@ def default_engine_dir() -> Path:
 
 
 def cached_engines_problem(directory: Path) -> str | None:
-    """Why the cached default engines in ``directory`` cannot be used (None: their manifest says they can)."""
+    """Why the cached default engines in ``directory`` cannot be used (None: their manifest says they can, and
+    where they were built from the preset's model, they were built with its context and draft length: an older
+    release's are rebuilt)."""
     if not (directory / MANIFEST_NAME).is_file():
         return "first use only"
     try:
-        read_manifest(directory, verify_files=False)
+        built = read_manifest(directory, verify_files=False).target
     except EngineDirectoryError as error:
         return f"the cached ones are unusable: {error}"
+    preset = PRESETS[DEFAULT_PRESET]
+    if built.source != str(preset["target"] or default_model_path()):
+        return None  # engines of another model put in place of the default ones: used as they are
+    for name in ("max_context", "max_draft_len"):
+        if getattr(built, name) != preset[name]:
+            return f"the cached ones have {name} {getattr(built, name)}, the {DEFAULT_PRESET} preset {preset[name]}"
     return None
 
 

@@ -198,11 +198,12 @@ class Request:
         """Whether "auto" chooses its draft length."""
         return self.num_draft_tokens == AUTO
 
-    def admit(self, slot: int, now: float) -> None:
-        """Into ``slot``, to be prefilled."""
+    def admit(self, slot: int, now: float, cached: int = 0) -> None:
+        """Into ``slot``, to be prefilled after the first ``cached`` prompt tokens, which the slot already holds."""
         self._move(RequestState.PREFILLING)
-        self.slot, self.admitted = slot, now
+        self.slot, self.admitted, self.prefilled = slot, now, cached
         self.stats.prompt_tokens = len(self.prompt)
+        self.stats.cached_prompt_tokens = cached
         self.stats.queue_s = now - self.submitted
 
     def prefilled_chunk(self, tokens: int) -> bool:

@@ -1,12 +1,14 @@
 """Continuous batching: requests join and leave a running batch, served by one engine thread.
 
 ``Scheduler.submit`` is safe from any thread and returns a ``RequestHandle``. One engine thread owns the
-engines (they are not thread-safe). Each step it takes in messages, admits waiting requests into free slots
-(FIFO), takes one prefill chunk (``specdec_trt.prefill`` sizes it) and runs one speculative round over every
-decoding request with the draft lengths ``specdec_trt.planner`` plans; where the target packs a pass's tokens
-(ONNX Runtime) the chunk rides in the round's verify pass. Every pass's time goes into one ``Costs`` that the
-prefill policy and the planner read. A request's greedy output never depends on what it shares the batch
-with; sampled output keeps the target's exact distribution, with each request's own generator.
+engines (they are not thread-safe). Each step it takes in messages, admits waiting requests (FIFO) into
+slots, where ``specdec_trt.prefix_cache`` finds the longest cached prefix of each prompt, takes one prefill
+chunk (``specdec_trt.prefill`` sizes it) and runs one speculative round over every decoding request with the
+draft lengths ``specdec_trt.planner`` plans; where the target packs a pass's tokens (ONNX Runtime) the chunk
+rides in the round's verify pass. An ended request's slot keeps its cache, idle, until a slot is needed.
+Every pass's time goes into one ``Costs`` that the prefill policy and the planner read. A request's greedy
+output never depends on what it shares the batch with; sampled output keeps the target's exact
+distribution, with each request's own generator.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from transformers import PreTrainedTokenizerBase
 
 from specdec_trt.costs import Costs
 from specdec_trt.draft_spec import DraftLength
-from specdec_trt.drafting import Drafter, pad_right
+from specdec_trt.draft_store import STORE_MAX_NGRAM
+from specdec_trt.drafting import STORE, Drafter, pad_right
 from specdec_trt.planner import DraftPlanner
 from specdec_trt.prefill import PrefillPolicy, PrefillQueue, next_chunk
+from specdec_trt.prefix_cache import PrefixCache
 from specdec_trt.profile import profile_engines
 from specdec_trt.request import (
     Cancel,
@@ -43,7 +47,7 @@ from specdec_trt.request import (
 )
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
-from specdec_trt.slots import free_slots
+from specdec_trt.slots import empty_slots, free_slots
 from specdec_trt.speculation import speculative_round
 
 _running: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose engine thread may be running
@@ -62,7 +66,8 @@ class Scheduler:
     ``max_batch_size``: slots, the most requests decoding at once (None: as many as arrive; the engines' caches
     grow to hold them). ``max_queue``: the most requests waiting for a slot (None: no limit); past it,
     ``submit`` raises ``QueueFullError``. ``prefill``: see ``PrefillPolicy``; ``max_auto_draft`` and
-    ``draft_confidence_threshold``: see ``DraftPlanner``. Requests are validated by the caller
+    ``draft_confidence_threshold``: see ``DraftPlanner``; ``prefix_cache``: keep an ended request's keys and
+    values for the next request that shares their prefix (``PrefixCache``). Requests are validated by the caller
     (``SpeculativeDecoder``) before they are submitted."""
 
     def __init__(
@@ -77,6 +82,7 @@ class Scheduler:
         max_queue: int | None = None,
         prefill: PrefillPolicy | None = None,
         draft_confidence_threshold: float | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
@@ -89,6 +95,7 @@ class Scheduler:
         self.max_context = min(m for m in (target.max_context, drafter and drafter.max_context) if m)
         self.costs = Costs(target.packs_rows)
         self.planner = DraftPlanner(drafter, max_auto_draft, self.max_context, self.costs, draft_confidence_threshold)
+        self.prefix_cache = PrefixCache(prefix_cache)
         self._inbox: queue.SimpleQueue[Submit | Cancel | CancelAll] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -252,11 +259,38 @@ class Scheduler:
         for request in admitted:  # before anything that can fail: an error must reach them
             self._active[request.request_id] = request
         now = time.perf_counter()
-        for request, slot in zip(admitted, self._slots(len(admitted))):  # one search for the whole batch
+        for request in admitted:
+            self._place(request, now)
+
+    def _place(self, request: Request, now: float) -> None:
+        """Into the slot the prefix cache chooses, with the cached prefix it finds there or copies in."""
+        place = self.prefix_cache.place(request.prompt, self._held_tokens(), self._empty_slot)
+        slot, cached = place.slot, place.cached
+        if not self.target.occupied(slot):
             self.target.admit(slot)
-            if request.drafts and self.drafter is not None:
-                self.drafter.admit(slot)
-            request.admit(slot, now)
+        self.target.truncate([slot], [cached if place.source is None else 0])
+        if place.source is not None:
+            self.target.copy_from(self.target, slot, cached, place.source)
+        if request.drafts and self.drafter is not None:
+            self.drafter.admit(slot, request.prompt[:cached], place.source)
+        elif self.drafter is not None and self.drafter.occupied(slot):
+            self.drafter.release(slot)  # what it followed there is gone from the target
+        request.admit(slot, now, cached)
+
+    def _held_tokens(self) -> dict[int, list[int]]:
+        """The tokens each admitted request's slot holds in the target's cache."""
+        return {r.slot: r.sequence[: self._cached_length(r)] for r in self._active.values() if r.slot is not None}
+
+    def _cached_length(self, request: Request) -> int:
+        """Tokens of ``request``'s sequence in the target's cache: all but the newest, and none of the drafts of
+        its last round that the next round rolls back."""
+        return min(int(self.target.lengths[request.slot]), len(request.sequence) - 1)
+
+    def _empty_slot(self, grow: bool) -> int | None:
+        if grow:
+            return self._slots(1)[0]
+        empty = empty_slots(self.target, self.drafter)
+        return empty[0] if empty else None
 
     def _slots(self, count: int) -> list[int]:
         return free_slots(self.target, self.drafter, count, self.max_batch_size)
@@ -314,8 +348,9 @@ class Scheduler:
         if self.on_round is not None:
             self.on_round(seconds, list(result.num_drafted))
         self.planner.observe(rows, plan, result)
-        for request, tokens, drafted, accepted in zip(rows, result.tokens, result.num_drafted, result.num_accepted):
-            request.stats.record_round(drafted, accepted)
+        outcomes = zip(rows, plan.draft.parts, result.tokens, result.num_drafted, result.num_accepted)
+        for request, part, tokens, drafted, accepted in outcomes:
+            request.stats.record_round(drafted, accepted, part is not None and part.kind == STORE)
             request.stats.draft_s += result.draft_s
             request.stats.verify_s += result.verify_s
             request.extend(tokens)
@@ -335,9 +370,16 @@ class Scheduler:
     def _retire(self, request: Request) -> None:
         """Free the ended request's slot (if it has one) and hand its output to its handle."""
         if self._active.pop(request.request_id, None) is not None and request.slot is not None:
-            self.target.release(request.slot)
-            if request.drafts and self.drafter is not None:
-                self.drafter.release(request.slot)
+            if self.drafter is not None:  # its part the prefix cache did not hold is new to the store
+                self.drafter.remember(request.sequence[max(0, request.stats.cached_prompt_tokens - STORE_MAX_NGRAM) :])
+            if self.prefix_cache.enabled:
+                kept = self._cached_length(request)
+                self.target.truncate([request.slot], [kept])
+                self.prefix_cache.park(request.slot, request.sequence[:kept])
+            else:
+                self.target.release(request.slot)
+                if request.drafts and self.drafter is not None:
+                    self.drafter.release(request.slot)
         request.complete(time.perf_counter(), self.on_finish)
 
     def _fail_all(self, message: str) -> None:

@@ -19,10 +19,13 @@ class GenerationStats:
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of the prompt tokens, those found in the prefix cache (not prefilled)
     generated_tokens: int = 0
     rounds: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    store_drafted_tokens: int = 0  # of the drafted tokens, those copied from earlier requests' text (the store)
+    store_accepted_tokens: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     queue_s: float = 0.0
@@ -32,8 +35,9 @@ class GenerationStats:
     verify_s: float = 0.0
     total_s: float = 0.0
 
-    def record_round(self, num_drafted: int, num_accepted: int) -> None:
-        """Count one verify pass that checked ``num_drafted`` drafts and accepted ``num_accepted``."""
+    def record_round(self, num_drafted: int, num_accepted: int, from_store: bool = False) -> None:
+        """Count one verify pass that checked ``num_drafted`` drafts and accepted ``num_accepted`` (drafts from
+        the store of earlier requests' text where ``from_store``)."""
         grow = num_drafted - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow
@@ -44,6 +48,9 @@ class GenerationStats:
         self.rounds += 1
         self.drafted_tokens += num_drafted
         self.accepted_tokens += num_accepted
+        if from_store:
+            self.store_drafted_tokens += num_drafted
+            self.store_accepted_tokens += num_accepted
 
     @property
     def acceptance_rate(self) -> float:

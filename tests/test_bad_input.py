@@ -306,7 +306,11 @@ CLI_ROWS: dict[str, Cli] = {
         setup=broken_engines(assign(99, "target", "vocab_size")),
     ),
     "manifest context changed": Cli(
-        run, (*BROKEN, "x"), 1, "not [2, 128, 16]", setup=broken_engines(assign(128, "draft", "max_context"))
+        run,
+        (*BROKEN, "x"),
+        1,
+        "tables for 64 positions, not 128",
+        setup=broken_engines(assign(128, "draft", "max_context")),
     ),
     # specdec-build: output directories
     "build: no target": Cli(build_command, OUT, 2, "give --target"),
@@ -871,14 +875,33 @@ def test_a_corrupt_default_engine_is_rebuilt_with_a_message(
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
-    preset = {"target": paths.target, "draft": "int4", "max_draft_len": 2, "max_context": 32, "dtype": "float32"}
+    built = json.loads((directory / MANIFEST_NAME).read_text())["target"]
+    preset = {"target": paths.target, "draft": "int4", "dtype": "float32"}
+    preset |= {"max_draft_len": built["max_draft_len"], "max_context": built["max_context"]}
     monkeypatch.setitem(PRESETS, "smollm2-135m", preset)
     result = CliRunner().invoke(run, ["-n", "4", "--json", "hello"])
     assert result.exit_code == 0, result.output
     message = " ".join(result.stderr.split())
     assert "Building the default engines" in message and "does not match its sha256" in message, message
     assert json.loads(result.stdout)["stats"]["generated_tokens"] > 0
-    assert json.loads((directory / MANIFEST_NAME).read_text())["target"]["max_context"] == 32
+
+
+def test_default_engines_built_for_another_context_are_rebuilt(
+    paths: Paths, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cached default engines built with another context than the preset's (an older release's) are rebuilt,
+    saying why."""
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    directory = default_engine_dir()
+    shutil.copytree(paths.engines, directory)
+    built = json.loads((directory / MANIFEST_NAME).read_text())["target"]
+    preset = {"target": paths.target, "draft": "int4", "max_draft_len": built["max_draft_len"], "dtype": "float32"}
+    monkeypatch.setitem(PRESETS, "smollm2-135m", preset | {"max_context": built["max_context"] // 2})
+    result = CliRunner().invoke(run, ["-n", "4", "--json", "hello"])
+    assert result.exit_code == 0, result.output
+    message = " ".join(result.stderr.split())
+    assert f"have max_context {built['max_context']}, the smollm2-135m preset {built['max_context'] // 2}" in message
+    assert json.loads((directory / MANIFEST_NAME).read_text())["target"]["max_context"] == built["max_context"] // 2
 
 
 @pytest.mark.slow

@@ -64,9 +64,9 @@ class UnprunedQDrafter(ModelDrafter):
         super().reserve(num_slots)
         self.unpruned.reserve(num_slots)
 
-    def admit(self, slot: int) -> None:
-        super().admit(slot)
-        self.unpruned.admit(slot)
+    def admit(self, slot: int, prefix=(), source=None) -> None:
+        super().admit(slot, prefix, source)
+        self.unpruned.admit(slot, prefix, source)
 
     def prefill(self, slots, chunks) -> None:
         super().prefill(slots, chunks)

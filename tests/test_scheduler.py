@@ -113,7 +113,8 @@ def test_a_finished_request_leaves_the_batch_at_once(make_decoder) -> None:
     last_short = max(i for i, r in enumerate(rounds) if r == short.request_id)
     assert short.result().finish_reason == "length"
     assert rounds[last_short + 1 :] and set(rounds[last_short + 1 :]) == {long.request_id}
-    assert decoder.target.lengths.sum() == 0  # every slot released
+    assert decoder.scheduler.num_running == 0
+    assert len(decoder.scheduler.prefix_cache.idle_slots) == 2  # each slot keeps its prefix for later requests
 
 
 @pytest.mark.usefixtures("steady_clock")
@@ -278,8 +279,8 @@ def test_the_scheduler_sizes_a_bursts_chunks_by_the_prompts_waiting(make_decoder
     """Through the scheduler, passes priced at 0.1 ms a computed token and rounds at 4 ms each (so chunk
     lengths follow from these times, not from the machine's): a prompt arriving beside one stream is
     prefilled in chunks of about one round's time, three prompts arriving together in chunks about three
-    times as long."""
-    decoder = make_decoder(prefill_chunk=256)
+    times as long. (No prefix cache: the prompts repeat, and each would find the last one cached.)"""
+    decoder = make_decoder(prefill_chunk=256, prefix_cache=False)
     costs = decoder.scheduler.costs
     add_pass, add_round = costs.passes.add, costs.add_round
     costs.passes.add = lambda cached, widths, seconds: add_pass(
@@ -381,8 +382,9 @@ def test_a_round_that_a_chunk_pass_follows_is_planned_with_that_pass_fixed_cost(
 def test_chunks_ride_in_the_rounds_pass_where_the_target_packs_rows(make_decoder) -> None:
     """ONNX Runtime packs a pass's tokens: a chunk beside decoding requests goes into their round's verify pass
     (one pass a step), and the outputs are the solo ones. The PyTorch engine pads: a chunk there is a pass
-    of its own, which would otherwise pad every verify row to the chunk's width."""
-    decoder = make_decoder(prefill_chunk=16)
+    of its own, which would otherwise pad every verify row to the chunk's width. (No prefix cache: the long
+    prompt runs alone first, for its expected output.)"""
+    decoder = make_decoder(prefill_chunk=16, prefix_cache=False)
     target = decoder.scheduler.target
     passes = []
     step = target.step

@@ -14,6 +14,7 @@ from specdec_trt.build import BuildRequest, build
 from specdec_trt.build_engines.checkpoint import load_checkpoint
 from specdec_trt.draft_spec import DraftSpec
 from specdec_trt.loading import open_engine_directory
+from specdec_trt.runtime import ort_engine
 from specdec_trt.runtime.engine import ContextOverflowError, Engine
 from specdec_trt.runtime.torch_engine import TorchEngine
 
@@ -78,6 +79,38 @@ def test_admitted_slots_keep_each_others_caches(make_engine) -> None:
         seen[i] += row
         torch.testing.assert_close(logits[i, len(row) - 1], alone(make_engine, seen[i]), atol=TOLERANCE, rtol=0)
     assert engine.lengths.tolist() == [13, 0, 15, 14]
+
+
+def test_cache_rows_grow_with_their_sequences_keeping_every_token(
+    checkpoint: Path, engine_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ONNX Runtime's cache rows start short and double as a pass needs more positions (a prefill, one token at
+    a time, a copy into a self-draft): every row keeps its tokens, and its logits are what a fresh engine gives."""
+    monkeypatch.setattr(ort_engine, "FIRST_CACHE_POSITIONS", 4)
+    make = lambda draft=False: make_ort(engine_dir, draft)  # noqa: E731 - a fresh engine each call
+    engine = make()
+    engine.reserve(2)
+    first, second = sequences(2, 40, seed=3)
+    engine.admit(0)
+    engine.step([0], torch.tensor([first[:3]]))
+    engine.admit(1)
+    engine.step([1], torch.tensor([second[:7]]))  # past 4 positions: both rows grow to 8
+    for n in range(3, 40):  # past 8, 16 and 32 positions one token at a time
+        logits = engine.step([0], torch.tensor([[first[n]]]))
+    torch.testing.assert_close(logits[0, 0], alone(make, first), atol=TOLERANCE, rtol=0)
+    logits = engine.step([1], torch.tensor([second[7:]]))
+    torch.testing.assert_close(logits[0, -1], alone(make, second), atol=TOLERANCE, rtol=0)
+    assert engine._positions == MAX_CONTEXT  # 4 doubled to 32, then to the context (48), no further
+    draft = make(draft=True)
+    draft.reserve(1)
+    draft.admit(0)
+    draft.copy_from(engine, 0, 40)  # a self-draft's first copy grows its own rows at once
+    assert draft._positions == MAX_CONTEXT and draft.lengths.tolist() == [40]
+
+
+def make_ort(engine_dir: Path, draft: bool) -> Engine:
+    loaded = open_engine_directory(engine_dir, [DraftSpec.parse("engine")] if draft else [])
+    return loaded.only_drafter().engine if draft else loaded.target
 
 
 def test_one_pass_returns_every_token_of_one_row_and_the_last_of_another(make_engine) -> None:

@@ -52,6 +52,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     "more tokens/s under load, longer pauses in the running streams; 0: no bound (chunks of 256 tokens).",
 )
 @click.option(
+    "--prefix-cache/--no-prefix-cache",
+    default=True,
+    show_default=True,
+    help="Keep an ended request's keys and values in its slot until the slot is needed, for later requests whose "
+    "prompts start the same way (an agent's system prompt and history): they prefill only the rest.",
+)
+@click.option(
     "--served-model-name",
     help="The model's name in the API. [default: SmolLM2-135M-Instruct, or the name of --engines / --target]",
 )
@@ -94,6 +101,7 @@ def serve(
     max_batch_size: int,
     max_queue: int,
     prefill_chunk_rounds: float,
+    prefix_cache: bool,
     served_model_name: str | None,
     api_key: str | None,
     drain_timeout: float,
@@ -118,7 +126,9 @@ def serve(
     choose_draft(backend.engines, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
     settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
-    options = DecoderOptions(backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds)
+    options = DecoderOptions(
+        backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds, prefix_cache
+    )
     if on_ray:
         plan = replica_plan(backend, replicas, max_replicas, drain_timeout)
         serve_replicas(
@@ -135,8 +145,10 @@ def serve(
 
     def load() -> SpeculativeDecoder:
         decoder = options.open(err)
+        cache_gb = max_batch_size * decoder.slot_cache_bytes / 1e9
         err.print(
             f"Ready: {settings.model_name} (draft {decoder.draft}, k={decoder.num_draft_tokens}) on http://{host}:{port}"
+            f"; KV cache: {max_batch_size} slots of {decoder.max_context} tokens, at most {cache_gb:.1f} GB"
         )
         return decoder
 

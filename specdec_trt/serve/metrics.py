@@ -3,7 +3,9 @@
 Speculative decoding, as vLLM counts it: ``spec_decode_num_drafts`` (rounds that drafted at least one token,
 per request), ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
 ``spec_decode_num_accepted_tokens_per_pos`` (by draft position). So the acceptance rate is accepted / draft
-tokens and the mean acceptance length 1 + accepted / drafts (docs/SERVING.md has the PromQL). A request's
+tokens and the mean acceptance length 1 + accepted / drafts (docs/SERVING.md has the PromQL); of those, the
+drafts copied from earlier requests' text (the store) are counted apart too. The prefix cache, as vLLM counts it:
+``prefix_cache_queries`` (prompt tokens looked up) and ``prefix_cache_hits`` (those found cached). A request's
 counts are added when it ends, whatever the reason, so they equal the sums over the responses.
 """
 
@@ -42,6 +44,14 @@ class ServerMetrics:
         self.accepted_per_pos = counter(
             "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by draft position.", ("position",)
         )
+        self.store_draft_tokens = counter(
+            "spec_decode_num_store_draft_tokens", "Draft tokens proposed from earlier requests' text (the store)."
+        )
+        self.store_accepted_tokens = counter(
+            "spec_decode_num_store_accepted_tokens", "Draft tokens from earlier requests' text accepted."
+        )
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated (what usage counts).")
         self.request_success = counter("request_success", "Requests ended, by finish reason.", ("finished_reason",))
@@ -87,6 +97,10 @@ class ServerMetrics:
         self.num_drafts.labels(name).inc(stats.drafted_per_position[0] if stats.drafted_per_position else 0)
         self.num_draft_tokens.labels(name).inc(stats.drafted_tokens)
         self.num_accepted_tokens.labels(name).inc(stats.accepted_tokens)
+        self.store_draft_tokens.labels(name).inc(stats.store_drafted_tokens)
+        self.store_accepted_tokens.labels(name).inc(stats.store_accepted_tokens)
+        self.prefix_cache_queries.labels(name).inc(stats.prompt_tokens)  # 0 unless admitted: then looked up
+        self.prefix_cache_hits.labels(name).inc(stats.cached_prompt_tokens)
         for position, accepted in enumerate(stats.accepted_per_position):
             self.accepted_per_pos.labels(name, str(position)).inc(accepted)
         if output.finish_reason in ("stop", "length"):

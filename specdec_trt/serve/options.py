@@ -17,7 +17,8 @@ from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
 @dataclass(frozen=True)
 class DecoderOptions:
     """specdec-serve's backend and draft options, its slots and waiting queue, and how long a prefill chunk
-    may hold up the running requests (``prefill_chunk_rounds``, in rounds; 0: no bound)."""
+    may hold up the running requests (``prefill_chunk_rounds``, in rounds; 0: no bound), and whether ended requests'
+    keys and values are kept for later requests that share their prefix (``prefix_cache``)."""
 
     backend: BackendOptions
     draft: str
@@ -25,6 +26,7 @@ class DecoderOptions:
     max_batch_size: int
     max_queue: int
     prefill_chunk_rounds: float = DEFAULT_PREFILL_CHUNK_ROUNDS
+    prefix_cache: bool = True
 
     def open(self, err: Console) -> SpeculativeDecoder:
         """The decoder (building the default engines first if needed, shown on ``err``)."""
@@ -37,6 +39,7 @@ class DecoderOptions:
             max_batch_size=self.max_batch_size,
             max_queue=self.max_queue,
             prefill_chunk_rounds=self.prefill_chunk_rounds or None,
+            prefix_cache=self.prefix_cache,
         )
 
 

@@ -52,7 +52,12 @@ def speculative_stats(stats: GenerationStats) -> dict[str, Any]:
 def usage(output: GenerationOutput) -> dict[str, int]:
     """Exactly the prompt's tokens and the emitted ones (a stop string ends the count at its last token)."""
     prompt, completion = output.stats.prompt_tokens, len(output.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": output.stats.cached_prompt_tokens},
+    }
 
 
 def finish_reason(output: GenerationOutput) -> str:
