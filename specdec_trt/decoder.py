@@ -105,7 +105,8 @@ class SpeculativeDecoder:
     probability in every row (from its warped distribution where the row samples; 0: never); prompt lookup's
     rounds draft the length auto chooses. ``max_batch_size``, ``max_queue``, ``prefill_chunk``,
     ``prefill_chunk_rounds`` and ``prefix_cache`` (on: a request whose prompt starts as an earlier one's reuses
-    its keys and values, ``specdec_trt.prefix_cache``) set up its ``Scheduler``. ``draft``: what the drafter was
+    its keys and values, ``specdec_trt.prefix_cache``) and ``draft_store`` (on: ended requests' text goes to the
+    store that prompt lookup also drafts from) set up its ``Scheduler``. ``draft``: what the drafter was
     opened as (the constructors fill it in). The decoder owns its engines: while it serves, nothing else may run them.
     """
 
@@ -123,6 +124,7 @@ class SpeculativeDecoder:
         prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
         prefill_chunk_rounds: float | None = DEFAULT_PREFILL_CHUNK_ROUNDS,
         prefix_cache: bool = True,
+        draft_store: bool = True,
         draft: DraftSpec | None = None,
     ) -> None:
         check_num_draft_tokens(num_draft_tokens)
@@ -147,6 +149,7 @@ class SpeculativeDecoder:
             prefill=PrefillPolicy(prefill_chunk, prefill_chunk_rounds),
             draft_confidence_threshold=draft_confidence_threshold,
             prefix_cache=prefix_cache,
+            draft_store=draft_store,
         )
         self.max_context = self.scheduler.max_context
 
@@ -226,7 +229,8 @@ class SpeculativeDecoder:
         """A decoder over models opened by ``specdec_trt.loading`` with at most one draft, ``draft`` being what
         they were opened with (kept as ``decoder.draft``). ``num_draft_tokens=None`` is the policy's fixed
         default for the opened target (0 without a drafter). ``scheduling``: ``max_batch_size``,
-        ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds``, ``prefix_cache`` (see ``Scheduler``)."""
+        ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds``, ``prefix_cache``, ``draft_store`` (see
+        ``Scheduler``)."""
         drafter = loaded.only_drafter()
         return cls(
             loaded.target,

@@ -67,8 +67,9 @@ class Scheduler:
     grow to hold them). ``max_queue``: the most requests waiting for a slot (None: no limit); past it,
     ``submit`` raises ``QueueFullError``. ``prefill``: see ``PrefillPolicy``; ``max_auto_draft`` and
     ``draft_confidence_threshold``: see ``DraftPlanner``; ``prefix_cache``: keep an ended request's keys and
-    values for the next request that shares their prefix (``PrefixCache``). Requests are validated by the caller
-    (``SpeculativeDecoder``) before they are submitted."""
+    values for the next request that shares their prefix (``PrefixCache``); ``draft_store``: give an ended
+    request's text to the drafter's store of earlier requests' text (``specdec_trt.draft_store``). Requests are
+    validated by the caller (``SpeculativeDecoder``) before they are submitted."""
 
     def __init__(
         self,
@@ -83,6 +84,7 @@ class Scheduler:
         prefill: PrefillPolicy | None = None,
         draft_confidence_threshold: float | None = None,
         prefix_cache: bool = True,
+        draft_store: bool = True,
     ) -> None:
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1 or None, got {max_batch_size}")
@@ -96,6 +98,7 @@ class Scheduler:
         self.costs = Costs(target.packs_rows)
         self.planner = DraftPlanner(drafter, max_auto_draft, self.max_context, self.costs, draft_confidence_threshold)
         self.prefix_cache = PrefixCache(prefix_cache)
+        self.draft_store = draft_store
         self._inbox: queue.SimpleQueue[Submit | Cancel | CancelAll] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -370,7 +373,7 @@ class Scheduler:
     def _retire(self, request: Request) -> None:
         """Free the ended request's slot (if it has one) and hand its output to its handle."""
         if self._active.pop(request.request_id, None) is not None and request.slot is not None:
-            if self.drafter is not None:  # its part the prefix cache did not hold is new to the store
+            if self.drafter is not None and self.draft_store:  # what the prefix cache did not hold is new to it
                 self.drafter.remember(request.sequence[max(0, request.stats.cached_prompt_tokens - STORE_MAX_NGRAM) :])
             if self.prefix_cache.enabled:
                 kept = self._cached_length(request)

@@ -219,6 +219,17 @@ def test_a_request_drafts_from_what_an_earlier_request_said(checkpoints) -> None
     assert later.stats.store_drafted_tokens > 0 and later.stats.store_accepted_tokens > 0
 
 
+def test_without_the_store_no_request_drafts_from_earlier_ones(checkpoints) -> None:  # noqa: F811
+    """``draft_store=False`` (as specdec-bench runs, each run cold): ended requests' text is not kept."""
+    decoder = SpeculativeDecoder.from_pretrained(checkpoints[0], "ngram", max_context=128, draft_store=False)
+    params = dataclasses.replace(GREEDY, max_new_tokens=40)
+    prompt = decoder.tokenize(SYSTEM)
+    first = decoder.generate(prompt, params, 0)
+    later = decoder.generate(prompt + first.token_ids[:4], dataclasses.replace(params, max_new_tokens=36), AUTO)
+    assert later.token_ids == first.token_ids[4:]
+    assert later.stats.store_drafted_tokens == 0 and len(decoder.drafter.store) == 0
+
+
 # --- the exact distribution, from a cached prefix with drafts from the store -------------------------------
 
 RUNS = 12_000

@@ -400,3 +400,30 @@ def test_prefill_chunk_rounds_reach_the_scheduler_with_0_for_no_bound(checkpoint
         options = DecoderOptions(BackendOptions(target=checkpoints[0]), "none", 0, 2, 4, rounds)
         decoder = options.open(Console(stderr=True))
         assert decoder.scheduler.prefill.chunk_rounds == expected
+
+
+def test_no_prefix_cache_reaches_the_scheduler(checkpoints) -> None:
+    """specdec-serve's --no-prefix-cache, as the server's decoder options carry it."""
+    for enabled in (True, False):
+        options = DecoderOptions(BackendOptions(target=checkpoints[0]), "none", 0, 2, 4, prefix_cache=enabled)
+        assert options.open(Console(stderr=True)).scheduler.prefix_cache.enabled is enabled
+
+
+def test_an_agents_second_call_reports_its_cached_prompt_tokens(server, client) -> None:
+    """Two chat calls sharing a system prompt: the second's usage says how many prompt tokens came from the
+    prefix cache, and /metrics counts the lookups and hits in tokens."""
+    system = {"role": "system", "content": "you are an agent with tools add and sub. answer briefly."}
+    before = server.metrics()
+    calls = [
+        client.chat.completions.create(
+            model=MODEL, messages=[system, {"role": "user", "content": question}], max_tokens=8, temperature=0
+        )
+        for question in ("add one", "sub two")
+    ]
+    after = server.metrics()
+    cached = [c.usage.prompt_tokens_details.cached_tokens for c in calls]
+    shared = len(server.decoder.apply_chat_template([system, {"role": "user", "content": ""}]).split("add")[0])
+    assert cached[1] >= shared > 0, cached  # one token per character: at least the system turn
+    queries, hits = ("specdec:prefix_cache_queries_total", ()), ("specdec:prefix_cache_hits_total", ())
+    assert after[queries] - before.get(queries, 0) == sum(c.usage.prompt_tokens for c in calls)
+    assert after[hits] - before.get(hits, 0) == sum(cached)

@@ -125,11 +125,13 @@ class OursRunner:
     """Our decoder over one target engine, with one drafter per draft label.
 
     ``torch_threads``: torch's pool size while generating: every core for PyTorch engines, 1 for ONNX
-    Runtime engines (whose own pool owns the cores; torch only samples)."""
+    Runtime engines (whose own pool owns the cores; torch only samples). Every run starts cold, as a single
+    prompt does: no prefix cache, no store of earlier runs' text (a repeat would find its own last run's)."""
 
     def __init__(self, models: LoadedModels, torch_threads: int) -> None:
+        cold = {"prefix_cache": False, "draft_store": False}
         self._decoders = {
-            label: SpeculativeDecoder(models.target, drafter, models.tokenizer, models.eos_token_ids)
+            label: SpeculativeDecoder(models.target, drafter, models.tokenizer, models.eos_token_ids, **cold)
             for label, drafter in {None: None, **models.drafters}.items()
         }
         self.torch_threads = torch_threads
