@@ -56,6 +56,10 @@ class Engine(ABC):
     def occupied(self, slot: int) -> bool:
         return slot in self._row_of
 
+    def length(self, slot: int) -> int:
+        """Cached tokens of ``slot`` (0 when free)."""
+        return int(self._lengths[slot])
+
     @property
     @abstractmethod
     def slot_cache_bytes(self) -> int:

@@ -227,7 +227,7 @@ class ModelDrafter:
         if slot not in self._cached or not self.engine.occupied(slot):
             return 0
         committed = self._cached[slot] - (self.cache_from is not None)
-        return max(0, min(committed, int(self.engine.lengths[slot]), limit))
+        return max(0, min(committed, self.engine.length(slot), limit))
 
     def prefill(self, slots: Sequence[int], chunks: Sequence[Sequence[int]]) -> None:
         """Run the chunks on the draft in one step, or, for a self-draft, copy the target's keys and values."""

@@ -19,7 +19,7 @@ our caches are one contiguous row per slot, so a shared prefix is copied rather 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,14 +73,18 @@ class PrefixCache:
         self._idle.clear()
         return slots
 
-    def place(self, prompt: Sequence[int], busy: Mapping[int, Sequence[int]], empty_slot: EmptySlot) -> Placement:
-        """Where a request with ``prompt`` goes, given the tokens the target holds in each ``busy`` slot; the slot
-        it gets is no longer idle."""
+    def place(
+        self, prompt: Sequence[int], busy: Callable[[], Mapping[int, Sequence[int]]], empty_slot: EmptySlot
+    ) -> Placement:
+        """Where a request with ``prompt`` goes, given the tokens the target holds in each busy slot (``busy()``,
+        asked only where no idle slot holds the whole prompt); the slot it gets is no longer idle."""
         if not self.enabled:
             return Placement(self._empty_or_evicted(empty_slot), 0)
         wanted = np.asarray(prompt, dtype=np.int64)[:-1]  # the last prompt token is always prefilled
-        idle_slot, idle_cached = self._longest(wanted, self._idle)
-        busy_slot, busy_cached = self._longest(wanted, {s: np.asarray(t, dtype=np.int64) for s, t in busy.items()})
+        idle_slot, idle_cached = self._longest(wanted, reversed(self._idle.items()))  # most recently used first
+        busy_slot, busy_cached = None, 0
+        if idle_cached < len(wanted):
+            busy_slot, busy_cached = self._longest(wanted, busy().items())
         if idle_slot is not None and idle_cached >= busy_cached:
             keeps_most = 2 * idle_cached >= len(self._idle[idle_slot])
             empty = None if keeps_most else empty_slot(False)
@@ -99,12 +103,16 @@ class PrefixCache:
         return slot if slot is not None else empty_slot(True)
 
     @staticmethod
-    def _longest(wanted: np.ndarray, held: Mapping[int, np.ndarray]) -> tuple[int | None, int]:
-        """The slot of ``held`` sharing the longest prefix with ``wanted`` (the most recently used on a tie), and
-        that prefix's length; (None, 0) when none shares a token."""
+    def _longest(wanted: np.ndarray, held: Iterable[tuple[int, Sequence[int]]]) -> tuple[int | None, int]:
+        """The first slot of ``held`` (slot, tokens) sharing the longest prefix with ``wanted``, and that prefix's
+        length; (None, 0) when none shares a token. The search ends at a slot holding all of ``wanted``."""
         best, longest = None, 0
-        for slot, tokens in held.items():
-            shared = common_prefix(wanted, tokens)
-            if shared >= longest and shared > 0:
+        for slot, tokens in held:
+            if not len(wanted) or not len(tokens) or tokens[0] != wanted[0]:
+                continue
+            shared = common_prefix(wanted, np.asarray(tokens, dtype=np.int64))
+            if shared > longest:
                 best, longest = slot, shared
+                if shared == len(wanted):
+                    break
         return best, longest

@@ -21,6 +21,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -31,7 +32,7 @@ from specdec_trt.draft_store import STORE_MAX_NGRAM
 from specdec_trt.drafting import STORE, Drafter, pad_right
 from specdec_trt.planner import DraftPlanner
 from specdec_trt.prefill import PrefillPolicy, PrefillQueue, next_chunk
-from specdec_trt.prefix_cache import PrefixCache
+from specdec_trt.prefix_cache import EmptySlot, PrefixCache
 from specdec_trt.profile import profile_engines
 from specdec_trt.request import (
     Cancel,
@@ -47,7 +48,7 @@ from specdec_trt.request import (
 )
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
-from specdec_trt.slots import empty_slots, free_slots
+from specdec_trt.slots import SlotSupply, free_slots
 from specdec_trt.speculation import speculative_round
 
 _running: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose engine thread may be running
@@ -262,12 +263,23 @@ class Scheduler:
         for request in admitted:  # before anything that can fail: an error must reach them
             self._active[request.request_id] = request
         now = time.perf_counter()
-        for request in admitted:
-            self._place(request, now)
+        supply = SlotSupply(self.target, self.drafter, self.max_batch_size)
+        held: dict[int, list[int]] | None = None  # the busy slots' tokens, read once an admission needs them
 
-    def _place(self, request: Request, now: float) -> None:
-        """Into the slot the prefix cache chooses, with the cached prefix it finds there or copies in."""
-        place = self.prefix_cache.place(request.prompt, self._held_tokens(), self._empty_slot)
+        def busy() -> dict[int, list[int]]:
+            nonlocal held
+            held = self._held_tokens() if held is None else held
+            return held
+
+        for i, request in enumerate(admitted):
+            cached = self._place(request, now, busy, partial(supply.take, still_to_place=len(admitted) - i))
+            if cached and held is not None:
+                held[request.slot] = request.prompt[:cached]
+
+    def _place(self, request: Request, now: float, busy: Callable[[], dict], empty_slot: EmptySlot) -> int:
+        """Into the slot the prefix cache chooses, with the cached prefix it finds there or copies in; returns
+        that prefix's length."""
+        place = self.prefix_cache.place(request.prompt, busy, empty_slot)
         slot, cached = place.slot, place.cached
         if not self.target.occupied(slot):
             self.target.admit(slot)
@@ -279,21 +291,20 @@ class Scheduler:
         elif self.drafter is not None and self.drafter.occupied(slot):
             self.drafter.release(slot)  # what it followed there is gone from the target
         request.admit(slot, now, cached)
+        return cached
 
     def _held_tokens(self) -> dict[int, list[int]]:
-        """The tokens each admitted request's slot holds in the target's cache."""
-        return {r.slot: r.sequence[: self._cached_length(r)] for r in self._active.values() if r.slot is not None}
+        """The tokens each admitted request's slot holds in the target's cache, for those that hold any."""
+        held = {}
+        for request in self._active.values():
+            if request.slot is not None and (length := self._cached_length(request)):
+                held[request.slot] = request.sequence[:length]
+        return held
 
     def _cached_length(self, request: Request) -> int:
         """Tokens of ``request``'s sequence in the target's cache: all but the newest, and none of the drafts of
         its last round that the next round rolls back."""
-        return min(int(self.target.lengths[request.slot]), len(request.sequence) - 1)
-
-    def _empty_slot(self, grow: bool) -> int | None:
-        if grow:
-            return self._slots(1)[0]
-        empty = empty_slots(self.target, self.drafter)
-        return empty[0] if empty else None
+        return min(self.target.length(request.slot), len(request.sequence) - 1)
 
     def _slots(self, count: int) -> list[int]:
         return free_slots(self.target, self.drafter, count, self.max_batch_size)

@@ -1,6 +1,9 @@
-"""Slots in the engines' caches for admitted requests: the free ones, and growing the caches when too few are."""
+"""Slots in the engines' caches for admitted requests: the free ones, growing the caches when too few are, and
+handing them out through an admission."""
 
 from __future__ import annotations
+
+from collections import deque
 
 from specdec_trt.drafting import Drafter
 from specdec_trt.runtime.engine import Engine
@@ -33,3 +36,19 @@ def free_slots(target: Engine, drafter: Drafter | None, count: int, max_batch_si
         target.reserve(size)
         if drafter is not None:
             drafter.reserve(size)
+
+
+class SlotSupply:
+    """The empty slots of one admission, found once and handed out lowest first: placing each of a burst of
+    requests costs no search of every slot."""
+
+    def __init__(self, target: Engine, drafter: Drafter | None, max_batch_size: int | None) -> None:
+        self.target, self.drafter, self.max_batch_size = target, drafter, max_batch_size
+        self._free = deque(empty_slots(target, drafter))
+
+    def take(self, grow: bool, still_to_place: int) -> int | None:
+        """An empty slot, or None where none is left; given ``grow``, the caches grow first, at once for the
+        ``still_to_place`` requests of the admission that are left (this one included)."""
+        if not self._free and grow:
+            self._free.extend(free_slots(self.target, self.drafter, still_to_place, self.max_batch_size))
+        return self._free.popleft() if self._free else None
