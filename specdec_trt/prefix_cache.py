@@ -67,11 +67,11 @@ class PrefixCache:
         self._idle[slot] = np.asarray(tokens, dtype=np.int64)
         self._idle.move_to_end(slot)
 
-    def clear(self) -> list[int]:
-        """Forget every idle slot; returns them."""
-        slots = list(self._idle)
-        self._idle.clear()
-        return slots
+    def forget_unless(self, holds: Callable[[int, int], bool]) -> None:
+        """Forget the idle slots for which ``holds(slot, cached tokens)`` is False (a direct use of the engines
+        released or refilled them)."""
+        for slot in [s for s, tokens in self._idle.items() if not holds(s, len(tokens))]:
+            del self._idle[slot]
 
     def place(
         self, prompt: Sequence[int], busy: Callable[[], Mapping[int, Sequence[int]]], empty_slot: EmptySlot

@@ -263,6 +263,7 @@ class Scheduler:
         for request in admitted:  # before anything that can fail: an error must reach them
             self._active[request.request_id] = request
         now = time.perf_counter()
+        self.prefix_cache.forget_unless(lambda slot, n: self.target.occupied(slot) and self.target.length(slot) == n)
         supply = SlotSupply(self.target, self.drafter, self.max_batch_size)
         held: dict[int, list[int]] | None = None  # the busy slots' tokens, read once an admission needs them
 

@@ -196,8 +196,8 @@ def test_lookup_first_drafts_are_lossless(checkpoints, reference_models, monkeyp
     8-token sequences would match in some rows and not others; so that every row has both kinds of round,
     its lookup is replaced by one that always proposes in the first round (the last three tokens again) and
     never after: deterministic given the committed prefix, as a lossless draft must be."""
-    decoder = SpeculativeDecoder.from_pretrained(
-        checkpoints[0], f"ngram+{checkpoints[1]}", max_context=MAX_CONTEXT, num_draft_tokens=3
+    decoder = SpeculativeDecoder.from_pretrained(  # no store: its drafts would replace the scripted rounds
+        checkpoints[0], f"ngram+{checkpoints[1]}", max_context=MAX_CONTEXT, num_draft_tokens=3, draft_store=False
     )
     first_round = len(PROMPT) + 1  # the prompt and the token sampled from the prefill's logits
     monkeypatch.setattr(

@@ -176,6 +176,19 @@ def test_without_the_prefix_cache_every_slot_is_released(make_decoder) -> None: 
     assert decoder.target.lengths.sum() == 0 and not decoder.scheduler.prefix_cache.idle_slots
 
 
+def test_an_idle_slot_freed_by_a_direct_use_of_the_engines_is_forgotten(make_decoder) -> None:  # noqa: F811
+    """A benchmark or test that runs the decoder's engines directly (and frees their slots) between calls leaves
+    no stale prefix behind: the next request starts from nothing, with its uncached output."""
+    decoder, reference = make_decoder(max_batch_size=1), make_decoder(prefix_cache=False)
+    decoder.generate(BASE, SHORT, 2)
+    (slot,) = decoder.scheduler.prefix_cache.idle_slots
+    decoder.target.release(slot)
+    decoder.drafter.release(slot)
+    output = decoder.generate(BASE, SHORT, 2)
+    assert output.stats.cached_prompt_tokens == 0
+    assert output.token_ids == reference.generate(BASE, SHORT, 2).token_ids
+
+
 # --- drafts from earlier requests' text --------------------------------------------------------------------
 
 
