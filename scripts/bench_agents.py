@@ -40,6 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from benchlib.openai_client import ServerResponseError, stream_chunks
 from specdec_trt.bench.agents import Message, agent_loops, two_turn_chats
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
@@ -77,20 +78,14 @@ def stream_chat(
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     body["stream_options"] = {"include_usage": True}
     sent, first, pieces, usage, timings = time.perf_counter(), None, [], None, None
-    with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
-            text = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
-            if text:
-                first = first or time.perf_counter()
-                pieces.append(text)
+    for chunk in stream_chunks(client, "/v1/chat/completions", body):
+        usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+        text = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
+        if text:
+            first = first or time.perf_counter()
+            pieces.append(text)
     if usage is None or first is None:
-        raise RuntimeError("the stream carried no text or no usage")
+        raise ServerResponseError("the stream carried no text or no usage")
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     if cached is None and timings is not None:  # llama-server reports its cache hits in its timings
         cached = timings.get("cache_n", 0)

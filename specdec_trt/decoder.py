@@ -305,6 +305,11 @@ class SpeculativeDecoder:
         ``num_draft_tokens`` are one for all or one per request."""
         return self.scheduler.submit(self._prepare(prompts, params, num_draft_tokens))
 
+    def reset_prefix_cache(self) -> None:
+        """Release the keys and values kept for later requests and forget earlier requests' text: the next
+        request starts as on a fresh decoder (requests in flight are not touched)."""
+        self.scheduler.reset_prefix_cache()
+
     def close(self) -> None:
         """Finish the requests in flight, stop the engine thread and release the engines' caches."""
         self.scheduler.close()

@@ -54,6 +54,12 @@ class DraftStore:
             if end < len(array):  # an n-gram with a token after it
                 self._index[gram] = (key, end)
 
+    def clear(self) -> None:
+        """Drop every stored sequence."""
+        self._sequences.clear()
+        self._index.clear()
+        self.num_tokens = 0
+
     def match(self, sequence: np.ndarray, num_tokens: int) -> tuple[int, np.ndarray]:
         """The match of ``sequence``'s suffix (its length, ``min_ngram`` to ``max_ngram`` tokens) and up to
         ``num_tokens`` stored tokens that followed it; (0, empty) if there is none."""

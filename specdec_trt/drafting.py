@@ -152,6 +152,9 @@ class Drafter(Protocol):
     def remember(self, tokens: Sequence[int]) -> None:
         """An ended request's tokens, for later requests' drafts (kept where the drafter has a store)."""
 
+    def forget(self) -> None:
+        """Drop every earlier request's tokens it remembered."""
+
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
         """Which part drafts each row next, and what it found to draft from (a drafter combining two kinds of
         draft, with their own acceptance and cost, has "auto" choose a draft length per kind)."""
@@ -246,6 +249,9 @@ class ModelDrafter:
         del self._cached[slot], self._fed[slot]
 
     def remember(self, tokens: Sequence[int]) -> None:
+        """A model draft keeps no store."""
+
+    def forget(self) -> None:
         """A model draft keeps no store."""
 
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
@@ -377,6 +383,10 @@ class PromptLookupDrafter:
         if self.store is not None:
             self.store.add(tokens)
 
+    def forget(self) -> None:
+        if self.store is not None:
+            self.store.clear()
+
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
         """Each row's match in its own text, else in the store (one search a round: the draft copies from it)."""
         return [self._part(np.asarray(s, dtype=np.int64)) for s in sequences]
@@ -500,6 +510,9 @@ class LookupFirstDrafter:
 
     def remember(self, tokens: Sequence[int]) -> None:
         self.lookup.remember(tokens)
+
+    def forget(self) -> None:
+        self.lookup.forget()
 
     def parts(self, sequences: Sequence[Sequence[int]]) -> list[Part]:
         return [part if part.match[0] else Part(MODEL) for part in self.lookup.parts(sequences)]

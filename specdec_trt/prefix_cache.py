@@ -67,6 +67,12 @@ class PrefixCache:
         self._idle[slot] = np.asarray(tokens, dtype=np.int64)
         self._idle.move_to_end(slot)
 
+    def clear(self) -> list[int]:
+        """Forget every idle slot; returns them (their caches are the caller's to release)."""
+        slots = list(self._idle)
+        self._idle.clear()
+        return slots
+
     def forget_unless(self, holds: Callable[[int, int], bool]) -> None:
         """Forget the idle slots for which ``holds(slot, cached tokens)`` is False (a direct use of the engines
         released or refilled them)."""

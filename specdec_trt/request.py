@@ -272,6 +272,14 @@ class CancelAll:
     """To the engine thread: end every request."""
 
 
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    """To the engine thread: release every idle slot's cache and forget earlier requests' text; ``done`` is set
+    once it has."""
+
+    done: threading.Event
+
+
 class StepEvent(NamedTuple):
     """From the engine thread, when recording: what a step did to one request, prefilled ``tokens`` of its
     prompt or took it through a round that drafted ``tokens``."""

@@ -42,6 +42,7 @@ from specdec_trt.request import (
     Request,
     RequestHandle,
     RequestState,
+    ResetPrefixCache,
     SchedulerClosedError,
     StepEvent,
     Submit,
@@ -51,6 +52,7 @@ from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
 from specdec_trt.slots import SlotSupply, free_slots
 from specdec_trt.speculation import speculative_round
 
+Message = Submit | Cancel | CancelAll | ResetPrefixCache
 _running: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose engine thread may be running
 
 
@@ -100,7 +102,7 @@ class Scheduler:
         self.planner = DraftPlanner(drafter, max_auto_draft, self.max_context, self.costs, draft_confidence_threshold)
         self.prefix_cache = PrefixCache(prefix_cache)
         self.draft_store = draft_store
-        self._inbox: queue.SimpleQueue[Submit | Cancel | CancelAll] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._waiting_count = 0  # submitted, not yet admitted nor cancelled (under the lock)
@@ -151,14 +153,32 @@ class Scheduler:
                 self._inbox.put(Submit(request))
                 handles.append(request.handle)
             self._waiting_count += len(requests)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="specdec-engine", daemon=True)
-                self._thread.start()
-                _running.add(self)
+            self._wake()
         return handles
 
     def cancel(self, request_id: int) -> None:
         self._inbox.put(Cancel(request_id))
+
+    def reset_prefix_cache(self) -> None:
+        """Release the cache of every idle slot and forget the text of ended requests (the draft store), as
+        vLLM's ``reset_prefix_cache``: later requests start as on a fresh scheduler. Requests in flight keep
+        their slots. Returns once done."""
+        done = threading.Event()
+        with self._lock:
+            if self.error is not None:
+                raise SchedulerClosedError(f"the engine stopped after an error ({type(self.error).__name__})")
+            if self._closed:
+                raise SchedulerClosedError("the scheduler is closed")
+            self._inbox.put(ResetPrefixCache(done))
+            self._wake()
+        done.wait()
+
+    def _wake(self) -> None:
+        """Start the engine thread if none runs (under the lock)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="specdec-engine", daemon=True)
+            self._thread.start()
+            _running.add(self)
 
     def close(self, cancel: bool = False) -> None:
         """Stop taking requests, and wait until the requests in flight are finished (``cancel``: cancelled)."""
@@ -194,7 +214,7 @@ class Scheduler:
                 self._thread = None
             self._fail_all(f"{type(error).__name__}: {error}")
 
-    def _messages(self) -> Iterator[Submit | Cancel | CancelAll]:
+    def _messages(self) -> Iterator[Message]:
         """Empty the inbox, message by message."""
         while True:
             try:
@@ -208,9 +228,21 @@ class Scheduler:
             if isinstance(message, Submit):
                 self._waiting.append(message.request)
                 continue
+            if isinstance(message, ResetPrefixCache):
+                self._reset_prefix_cache()
+                message.done.set()
+                continue
             held = [*self._active.values(), *self._waiting]
             for request in [r for r in held if isinstance(message, CancelAll) or r.request_id == message.request_id]:
                 self._cancel(request)
+
+    def _reset_prefix_cache(self) -> None:
+        for slot in self.prefix_cache.clear():
+            self.target.release(slot)
+            if self.drafter is not None and self.drafter.occupied(slot):
+                self.drafter.release(slot)
+        if self.drafter is not None:
+            self.drafter.forget()
 
     def _cancel(self, request: Request) -> None:
         """End a request that has not finished: a waiting one leaves the queue at once."""
@@ -399,7 +431,11 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         """After an engine error: every request still waiting or running ends with it."""
-        self._waiting += [m.request for m in self._messages() if isinstance(m, Submit)]
+        for message in self._messages():
+            if isinstance(message, Submit):
+                self._waiting.append(message.request)
+            elif isinstance(message, ResetPrefixCache):
+                message.done.set()
         for request in list(self._active.values()) + list(self._waiting):
             if not request.finished:
                 request.finish("error", message)

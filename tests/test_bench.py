@@ -441,6 +441,33 @@ def test_ctrl_c_leaves_valid_json_with_the_finished_prompts(
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_agent_loops_run_warm_and_give_plain_outputs(make_checkpoint, tmp_path: Path) -> None:
+    """--suite agents: each method's calls find their history cached (the second agent its system prompt) and
+    give plain decoding's tokens; no method finds another's conversations (its first call caches nothing)."""
+    target = make_checkpoint(family="llama", **SIZE, max_position_embeddings=8192)  # the long system prompt fits
+    out, markdown = tmp_path / "agents.json", tmp_path / "BENCHMARKS.md"
+    code, output = invoke(
+        *("--target", str(target), "--draft", "ngram", "-k", "2,auto", "--suite", "agents", "--agents", "2"),
+        *("--agent-calls", "2", "-n", "6", "--repeats", "2", "--no-peers", "--max-context", "8192"),
+        *("--out", str(out), "--markdown", str(markdown)),
+    )
+    assert code == 0, output
+    data = json.loads(out.read_text())
+    methods = ["plain", "ngram k=2", "ngram auto"]
+    assert len(data["runs"]) == len(methods) * 2 * 2 * 2
+    assert all(r["same_tokens_as_plain"] for r in data["runs"]), "every method must give plain decoding's tokens"
+    for r in data["runs"]:
+        first_of_repeat = r["agent"] == 0 and r["call"] == 0
+        assert (r["cached_prompt_tokens"] == 0) == first_of_repeat, r
+    rows = {row["method"]: row for row in data["agents"]}
+    assert list(rows) == methods
+    for row in rows.values():
+        assert row["calls"] == 8 and 0.5 < row["cached_share"] < 1 and row["whole_s"] > 0
+        assert row["later_calls_ttft_p50_ms"] > 0 and row["same_tokens_as_plain"] is True
+    assert rows["plain"]["whole_vs_plain"] == 1 and rows["plain"]["store_acceptance"] is None
+    assert "### agents: whole loops" in output and "## Agent loops" in markdown.read_text()
+
+
 @pytest.mark.parametrize(("limit", "prompts"), [("1", ["copy"]), ("0", ["copy", "ask"])])
 def test_limit_takes_the_first_prompts_and_zero_takes_all(
     models: dict[str, Path], suite_file: Path, tmp_path: Path, limit: str, prompts: list[str]

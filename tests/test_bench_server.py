@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from bench_agents import stream_chat
 from serving import serve
 
 from benchlib.load import RequestTiming, against_best, load_summary, median_run, open_loop
@@ -113,6 +114,20 @@ def test_stream_completion_without_usage_counts_the_text_or_refuses(served) -> N
             stream_completion(client, body)
         with pytest.raises(ServerResponseError, match="HTTP 400"):
             stream_completion(client, body | {"max_tokens": -1})
+
+
+def test_stream_chat_times_a_chat_and_reads_its_cached_tokens(served) -> None:
+    """The agent benchmark's client: the answer, its timings, and usage with the prefix cache's hit."""
+    messages = [{"role": "user", "content": "tell me about the sea"}]
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        text, ttft, e2e, counts = stream_chat(client, "tiny", messages, 6)
+        again = stream_chat(client, "tiny", messages, 6)[3]
+        with pytest.raises(ServerResponseError, match="HTTP 400"):
+            stream_chat(client, "tiny", messages, -1)
+    expected = served.decoder.generate(served.decoder.apply_chat_template(messages), SamplingParams(max_new_tokens=6))
+    assert text == expected.text and 0 < ttft <= e2e
+    assert counts["prompt"] == expected.stats.prompt_tokens and counts["completion"] == len(expected.token_ids)
+    assert counts["cached"] < again["cached"] == counts["prompt"] - 1  # all but the last prompt token are kept
 
 
 def test_running_waits_for_the_server_and_stops_it(tmp_path: Path) -> None:

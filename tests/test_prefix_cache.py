@@ -22,6 +22,7 @@ from specdec_trt.decoder import AUTO
 from specdec_trt.draft_store import DraftStore
 from specdec_trt.drafting import PromptLookupDrafter
 from specdec_trt.prefix_cache import Placement, PrefixCache
+from specdec_trt.request import SchedulerClosedError
 from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.validation import InvalidValueError
 
@@ -187,6 +188,25 @@ def test_an_idle_slot_freed_by_a_direct_use_of_the_engines_is_forgotten(make_dec
     output = decoder.generate(BASE, SHORT, 2)
     assert output.stats.cached_prompt_tokens == 0
     assert output.token_ids == reference.generate(BASE, SHORT, 2).token_ids
+
+
+def test_a_reset_releases_every_idle_slot_and_empties_the_store(checkpoints) -> None:  # noqa: F811
+    """After ``reset_prefix_cache`` a request starts as on a fresh decoder: nothing cached, nothing drafted from
+    earlier requests, the engines' slots all free, and the same output."""
+    decoder = SpeculativeDecoder.from_pretrained(checkpoints[0], "ngram", num_draft_tokens=AUTO, max_context=128)
+    params = dataclasses.replace(GREEDY, max_new_tokens=40)
+    prompt = decoder.tokenize(SYSTEM)
+    first = decoder.generate(prompt, params, 0)
+    assert decoder.scheduler.prefix_cache.idle_slots and len(decoder.drafter.store) == 1
+    decoder.reset_prefix_cache()
+    assert not decoder.scheduler.prefix_cache.idle_slots and len(decoder.drafter.store) == 0
+    assert not any(decoder.target.occupied(slot) for slot in range(decoder.target.num_slots))
+    again = decoder.generate(prompt + first.token_ids[:4], dataclasses.replace(params, max_new_tokens=36))
+    assert again.token_ids == first.token_ids[4:]
+    assert again.stats.cached_prompt_tokens == 0 and again.stats.store_drafted_tokens == 0
+    decoder.close()
+    with pytest.raises(SchedulerClosedError):
+        decoder.reset_prefix_cache()
 
 
 # --- drafts from earlier requests' text --------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import httpx
 
@@ -21,15 +21,9 @@ class ServerResponseError(RuntimeError):
     """A request the server answered with an error status or a malformed stream."""
 
 
-def stream_completion(
-    client: httpx.Client, body: dict, count_tokens: Callable[[str], int] | None = None
-) -> tuple[RequestTiming, str]:
-    """POST ``body`` (with ``"stream": true``) to ``/v1/completions``; the timing and the whole text."""
-    body = body | {"stream": True}
-    timing = RequestTiming(time.perf_counter())
-    pieces: list[str] = []
-    usage = None
-    with client.stream("POST", "/v1/completions", json=body) as response:
+def stream_chunks(client: httpx.Client, path: str, body: dict) -> Iterator[dict]:
+    """POST ``body`` to ``path`` and yield each server-sent event's JSON chunk, up to ``[DONE]``."""
+    with client.stream("POST", path, json=body) as response:
         if response.status_code != 200:
             raise ServerResponseError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
         for line in response.iter_lines():
@@ -38,11 +32,23 @@ def stream_completion(
             chunk = json.loads(line[len("data: ") :])
             if "error" in chunk:
                 raise ServerResponseError(f"error in the stream: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            text = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
-            if text:
-                timing.arrivals.append(time.perf_counter())
-                pieces.append(text)
+            yield chunk
+
+
+def stream_completion(
+    client: httpx.Client, body: dict, count_tokens: Callable[[str], int] | None = None
+) -> tuple[RequestTiming, str]:
+    """POST ``body`` (with ``"stream": true``) to ``/v1/completions``; the timing and the whole text."""
+    body = body | {"stream": True}
+    timing = RequestTiming(time.perf_counter())
+    pieces: list[str] = []
+    usage = None
+    for chunk in stream_chunks(client, "/v1/completions", body):
+        usage = chunk.get("usage") or usage
+        text = "".join(choice.get("text") or "" for choice in chunk.get("choices", []))
+        if text:
+            timing.arrivals.append(time.perf_counter())
+            pieces.append(text)
     text = "".join(pieces)
     if usage is not None:
         timing.tokens = usage["completion_tokens"]

@@ -14,6 +14,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+AGENTS = "agents"  # specdec-bench's name for the agent loops, as --suite takes it and as their runs' suite
 Message = dict[str, str]
 Ask = Callable[[list[Message]], str]
 """Sends a conversation to the model and returns its answer."""
@@ -145,11 +146,15 @@ class AgentLoop:
     task: str
     seed: int
 
+    def first_messages(self) -> list[Message]:
+        """The conversation of the first call: the system prompt and the task."""
+        return [{"role": "system", "content": system_prompt()}, {"role": "user", "content": self.task}]
+
     def run(self, calls: int, ask: Ask) -> None:
         """``calls`` calls, each sending the whole conversation so far; the answer and a tool's result go back
         into it."""
         rng = random.Random(self.seed)
-        messages = [{"role": "system", "content": system_prompt()}, {"role": "user", "content": self.task}]
+        messages = self.first_messages()
         for call in range(calls):
             answer = ask(messages)
             messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": tool_result(rng, call)}]

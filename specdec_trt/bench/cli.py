@@ -13,6 +13,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from specdec_trt.backend import BackendOptions
+from specdec_trt.bench.agent_runs import AgentWorkload, run_agent_workload
+from specdec_trt.bench.agents import AGENTS, agent_loops
 from specdec_trt.bench.bandwidth import machine_read_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
@@ -27,7 +29,7 @@ from specdec_trt.bench.methods import (
 from specdec_trt.bench.peers import PEERS, PeerRequest, Peers, open_peers, our_weight_bytes, weight_class
 from specdec_trt.bench.peers_report import peers_section
 from specdec_trt.bench.plots import write_plots
-from specdec_trt.bench.report import auto_table, benchmarks_document, markdown_tables
+from specdec_trt.bench.report import agent_table, auto_table, benchmarks_document, markdown_tables
 from specdec_trt.bench.results_file import read_results
 from specdec_trt.bench.step_profile import step_breakdown
 from specdec_trt.bench.suites import SUITES, Suite, load_suite
@@ -92,7 +94,26 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     "--suite",
     "suites",
     multiple=True,
-    help=f"Prompt suite (repeatable): {', '.join(SUITES)}, or a JSONL file of {{id, prompt, chat}}. [default: all]",
+    help=f"Prompt suite (repeatable): {', '.join(SUITES)}, or a JSONL file of {{id, prompt, chat}}; or "
+    f"'{AGENTS}', agent loops whose every call sends the whole growing history, run by our methods with the prefix "
+    "cache and the store of earlier requests' text on, as a server runs (see --agents). [default: every suite, "
+    f"not '{AGENTS}']",
+)
+@click.option(
+    "--agents",
+    "agent_count",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help=f"With --suite {AGENTS}: agents run one after another, each with its own task (a ~1,300-token system "
+    "prompt of tool schemas and rules, shared).",
+)
+@click.option(
+    "--agent-calls",
+    type=click.IntRange(min=1),
+    default=5,
+    show_default=True,
+    help=f"With --suite {AGENTS}: calls per agent; each adds the answer and a tool's result to the history.",
 )
 @click.option(
     "--limit",
@@ -195,6 +216,8 @@ def bench(
     backend: BackendOptions,
     drafts: tuple[str, ...],
     suites: tuple[str, ...],
+    agent_count: int,
+    agent_calls: int,
     limit: int,
     gammas: tuple[DraftLength, ...],
     peer_gammas: tuple[DraftLength, ...] | None,
@@ -220,6 +243,7 @@ def bench(
     \b
     Examples:
       specdec-bench --suite code --suite summarisation --limit 5
+      specdec-bench --suite agents --draft ngram+int4 -k auto --no-peers
       specdec-bench --draft int4 --draft ngram -k 1,2,4,8 -t 0,0.8 --out results/sweep.json
       specdec-bench --target ./llama-1b --draft ./llama-160m -k 2,4,auto --peer-num-draft-tokens 4,heuristic
       specdec-bench --target model.gguf --device cuda --draft ngram
@@ -249,7 +273,8 @@ def bench(
         ignore_eos=ignore_eos,
     )
     specs = [DraftSpec.parse(d) for d in drafts]  # a bad --draft is an error before anything is built
-    loaded_suites = [load_suite(name) for name in config.suites]
+    loaded_suites = [load_suite(name) for name in config.suites if name != AGENTS]
+    agents = AgentWorkload(agent_count, agent_calls) if AGENTS in config.suites else None
     backend = backend.resolved(err)
     specs = specs or [DraftSpec.parse(d) for d in default_drafts(backend.engines)]
     with err.status("Loading models…") as status:
@@ -269,12 +294,17 @@ def bench(
         found = open_peers(request, models, weights, str(models.target.device), lambda text: status.update(text))
     for note in found.notes:
         err.print(f"[yellow]Peer left out[/yellow]: {note}")
+    if agents is not None and found.methods:
+        err.print(
+            f"[yellow]Peers left out of {AGENTS}[/yellow]: they keep no cache between calls in-process "
+            "(scripts/bench_agents.py serves the workload through llama-server)"
+        )
     methods = [Method(OURS, None)] + [Method(OURS, d, k) for d in models.drafters for k in gammas] + found.methods
     command = "specdec-bench " + shlex.join(sys.argv[1:])
     results = BenchResults(config, methods, environment(str(models.target.device), torch_threads), command)
     results.weights, results.notes = weights, found.notes
     results.limits = _limits(models, found, torch_threads, err)
-    interrupted = _measure(results, loaded_suites, {OURS: ours, **found.runners}, ours.encode, out, err)
+    interrupted = _measure(results, loaded_suites, agents, {OURS: ours, **found.runners}, ours, out, err)
     readings = [results.limits["machine_read_GBps"], machine_read_bandwidth(torch_threads)]
     results.limits |= {"machine_read_GBps": max(readings), "machine_read_GBps_before_after": readings}
     results.write(out)
@@ -285,11 +315,23 @@ def bench(
         sys.exit(130)
 
 
-def _measure(results: BenchResults, suites: list[Suite], runner_for: dict, encode, out: Path, err: Console) -> bool:
-    """Run the benchmark under a progress bar, saving after every prompt; True when Ctrl-C stopped it."""
+def _measure(
+    results: BenchResults,
+    suites: list[Suite],
+    agents: AgentWorkload | None,
+    runner_for: dict,
+    ours: OursRunner,
+    out: Path,
+    err: Console,
+) -> bool:
+    """Run the benchmark under a progress bar, saving after every prompt (every call of the agent workload);
+    True when Ctrl-C stopped it."""
     config = results.config
     per_setting = [len(s.prompts[: config.limit]) * config.repeats + config.warmup for s in suites]
     total = sum(per_setting) * len(config.temperatures) * len(results.methods)
+    our_methods = [m for m in results.methods if m.family == OURS]
+    if agents is not None:
+        total += agents.runs_per_method(config) * len(our_methods)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, TimeRemainingColumn(), console=err) as progress:
         task = progress.add_task("warm-up", total=total)
@@ -301,7 +343,9 @@ def _measure(results: BenchResults, suites: list[Suite], runner_for: dict, encod
             started += 1
 
         try:
-            run_benchmark(results, suites, runner_for, encode, on_run, lambda: results.write(out))
+            run_benchmark(results, suites, runner_for, ours.encode, on_run, lambda: results.write(out))
+            if agents is not None:
+                run_agent_workload(config, agents, our_methods, ours, results.runs, on_run, lambda: results.write(out))
         except KeyboardInterrupt:
             results.status = "interrupted"
             return True
@@ -317,6 +361,12 @@ def _check_fits(config: BenchConfig, suites: list[Suite], models: LoadedModels, 
     for gamma in fixed:
         check_draft_length(gamma, built_for)
     reach = max(fixed + ([built_for or AUTO_MAX_DRAFT_TOKENS] if AUTO in config.num_draft_tokens else []))
+    if AGENTS in config.suites:
+        first_call = agent_loops(1, config.seed + 1)[0].first_messages()
+        try:
+            check_context(len(ours.encode_messages(first_call)), config.max_new_tokens, reach, models.max_context)
+        except ValueError as error:
+            raise ValueError(f"the first call of {AGENTS}: {error}") from error
     for suite in suites:
         for prompt in suite.prompts[: config.limit]:
             try:
@@ -344,6 +394,8 @@ def _write_outputs(runs: list[dict], sources: list[Path], plots_dir: Path, markd
     the peer sections of every run)."""
     data = runs[0]
     click.echo(markdown_tables(data["summary"]))
+    if data.get("agents"):
+        click.echo(f"### {AGENTS}: whole loops\n\n" + agent_table(data["agents"]))
     versus = auto_table(data["summary"])
     if versus:
         click.echo("### auto vs the best fixed gamma\n\n" + versus)

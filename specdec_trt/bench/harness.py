@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 from specdec_trt.bench.methods import Method, Run
 from specdec_trt.bench.suites import BenchPrompt, Suite
-from specdec_trt.bench.summary import summarise
+from specdec_trt.bench.summary import agent_summary, summarise
 from specdec_trt.sampling import SamplingParams
 
 SCHEMA = "specdec-bench/1"
@@ -82,6 +82,7 @@ class BenchResults:
             "notes": self.notes,
             "methods": [asdict(m) | {"name": m.name} for m in self.methods],
             "summary": summarise(self.runs, self.methods, self.limits),
+            "agents": agent_summary(self.runs),
             "runs": self.runs,
         }
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel
@@ -25,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from specdec_trt.bench.suites import BenchPrompt
 from specdec_trt.build_engines.checkpoint import load_transformers_model
-from specdec_trt.decoder import DraftLength, SpeculativeDecoder
+from specdec_trt.decoder import DraftLength, SpeculativeDecoder, check_context
 from specdec_trt.draft_spec import NGRAM
 from specdec_trt.loading import LoadedModels
 from specdec_trt.sampling import SamplingParams
@@ -105,6 +106,9 @@ class Run:
     draft_s: float | None = None
     draft_prefill_s: float | None = None
     verify_s: float | None = None
+    cached_prompt_tokens: int | None = None  # prompt tokens found in our prefix cache
+    store_drafted_tokens: int | None = None  # drafts from our store of earlier requests' text
+    store_accepted_tokens: int | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -121,30 +125,89 @@ def torch_threads(count: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
+class Reply(NamedTuple):
+    """A warm decoder's answer to a conversation."""
+
+    run: Run
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+
+
+Converse = Callable[[list[dict[str, str]], SamplingParams], Reply]
+"""Sends a conversation to a warm decoder."""
+
+
 class OursRunner:
     """Our decoder over one target engine, with one drafter per draft label.
 
     ``torch_threads``: torch's pool size while generating: every core for PyTorch engines, 1 for ONNX
-    Runtime engines (whose own pool owns the cores; torch only samples). Every run starts cold, as a single
-    prompt does: no prefix cache, no store of earlier runs' text (a repeat would find its own last run's)."""
+    Runtime engines (whose own pool owns the cores; torch only samples). ``run`` starts cold, as a single
+    prompt does: no prefix cache, no store of earlier runs' text (a repeat would find its own last run's).
+    ``warm`` keeps both across the calls of a workload, as a server does."""
 
     def __init__(self, models: LoadedModels, torch_threads: int) -> None:
-        cold = {"prefix_cache": False, "draft_store": False}
-        self._decoders = {
-            label: SpeculativeDecoder(models.target, drafter, models.tokenizer, models.eos_token_ids, **cold)
-            for label, drafter in {None: None, **models.drafters}.items()
-        }
+        self._drafters = {None: None, **models.drafters}
+        self._models = models
+        self._decoders = {label: self._decoder(label, cold=True) for label in self._drafters}
+        self._warm: dict[str | None, SpeculativeDecoder] = {}
         self.torch_threads = torch_threads
+
+    def _decoder(self, label: str | None, cold: bool) -> SpeculativeDecoder:
+        models = self._models
+        return SpeculativeDecoder(
+            models.target,
+            self._drafters[label],
+            models.tokenizer,
+            models.eos_token_ids,
+            prefix_cache=not cold,
+            draft_store=not cold,
+        )
 
     def encode(self, prompt: BenchPrompt) -> list[int]:
         """A suite prompt's token ids: chat prompts go through the tokenizer's chat template."""
         plain = self._decoders[None]
         return plain.tokenize(plain.apply_chat_template(prompt.prompt) if prompt.chat else prompt.prompt)
 
+    def encode_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation's token ids, through the tokenizer's chat template."""
+        plain = self._decoders[None]
+        return plain.tokenize(plain.apply_chat_template(messages))
+
     def run(self, method: Method, prompt_ids: list[int], params: SamplingParams) -> tuple[Run, list[int]]:
-        """Generate once; the run's figures and the generated token ids."""
+        """Generate once, cold; the run's figures and the generated token ids."""
+        return self._generate(self._decoders[method.draft], method, prompt_ids, params)
+
+    @contextlib.contextmanager
+    def warm(self, method: Method) -> Iterator[Converse]:
+        """A way to converse with ``method`` on a decoder that keeps its prefix cache and store across calls,
+        reset before and after (the engines are shared with every other method)."""
+        if method.draft not in self._warm:
+            self._warm[method.draft] = self._decoder(method.draft, cold=False)
+        decoder = self._warm[method.draft]
+        decoder.reset_prefix_cache()
+
+        def converse(messages: list[dict[str, str]], params: SamplingParams) -> Reply:
+            prompt_ids = self.encode_messages(messages)
+            reach = decoder.draft_reserve(method.num_draft_tokens)
+            try:
+                check_context(len(prompt_ids), params.max_new_tokens, reach, decoder.max_context)
+            except ValueError as error:
+                outgrew = f"a conversation outgrew the context: {error}; make fewer calls or fewer new tokens"
+                raise ValueError(outgrew) from error
+            run, tokens = self._generate(decoder, method, prompt_ids, params)
+            return Reply(run, len(prompt_ids), tokens, decoder.tokenizer.decode(tokens, skip_special_tokens=True))
+
+        try:
+            yield converse
+        finally:
+            decoder.reset_prefix_cache()
+
+    def _generate(
+        self, decoder: SpeculativeDecoder, method: Method, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[Run, list[int]]:
         with torch_threads(self.torch_threads):
-            output = self._decoders[method.draft].generate(prompt_ids, params, method.num_draft_tokens)
+            output = decoder.generate(prompt_ids, params, method.num_draft_tokens)
         s = output.stats
         run = Run(
             generated_tokens=s.generated_tokens,
@@ -158,6 +221,9 @@ class OursRunner:
             draft_s=s.draft_s,
             draft_prefill_s=s.draft_prefill_s,
             verify_s=s.verify_s,
+            cached_prompt_tokens=s.cached_prompt_tokens,
+            store_drafted_tokens=s.store_drafted_tokens,
+            store_accepted_tokens=s.store_accepted_tokens,
         )
         return run, output.token_ids
 

@@ -58,6 +58,37 @@ def markdown_tables(summary: Sequence[dict]) -> str:
     return "\n".join(parts)
 
 
+def agent_table(rows: list[dict]) -> str:
+    """The agent summary as a markdown table; empty without agent runs."""
+    if not rows:
+        return ""
+    lines = [
+        "| sampling | method | TTFT first call p50 | later calls p50 | p99 | whole | vs plain | tok/s | cached "
+        "| store acceptance | same tokens as plain |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        acceptance, drafted = row["store_acceptance"], row["store_drafted_tokens"]
+        store = "-" if acceptance is None else f"{acceptance:.2f} of {drafted}"
+        same = {None: "-", True: "yes", False: "NO"}[row["same_tokens_as_plain"]]
+        vs_plain = "-" if row["whole_vs_plain"] is None else f"{row['whole_vs_plain']:.2f}x"
+        cells = [
+            "greedy" if row["temperature"] == 0 else f"t={row['temperature']}",
+            row["method"],
+            f"{row['first_call_ttft_p50_ms']:.0f} ms",
+            f"{row['later_calls_ttft_p50_ms']:.0f} ms",
+            f"{row['later_calls_ttft_p99_ms']:.0f} ms",
+            f"{row['whole_s']:.1f} s",
+            vs_plain,
+            f"{row['tokens_per_s']:.1f}",
+            f"{100 * row['cached_share']:.0f}%",
+            store,
+            same,
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def auto_table(summary: Sequence[dict]) -> str:
     """Per suite, temperature and draft measured with num_draft_tokens "auto": its tok/s against the best
     fixed gamma's (highest tok/s) and transformers' heuristic schedule on the same draft, when measured;
@@ -206,6 +237,21 @@ The best fixed gamma is picked after the fact, per suite; auto has to find it on
 """
 
 
+def _agents_section(rows: Sequence[dict]) -> str:
+    if not rows:
+        return ""
+    return f"""## Agent loops
+
+Agents run one after another, each call sending its whole history again (a shared system prompt of tool schemas
+and rules, then the task, and each answer followed by a tool's result). Each of our methods runs the workload on
+a decoder that keeps its prefix cache and its store of earlier requests' text across calls, as a server does,
+reset before and after. "whole" is the workload's time (the median over repeats), "cached" the share of prompt
+tokens found in the prefix cache, "store acceptance" that of the drafts taken from earlier requests' text.
+
+{agent_table(rows)}
+"""
+
+
 def benchmarks_document(
     data: dict, plots: Sequence[Path], document: Path, rerender: str, others: Sequence[dict] = ()
 ) -> str:
@@ -261,7 +307,7 @@ Python overhead are what separate the two.
 ## Reading this run
 
 {reading(summary)}
-{_auto_section(summary)}{peer_sections}## Plots
+{_auto_section(summary)}{_agents_section(data.get("agents") or [])}{peer_sections}## Plots
 
 {images}
 

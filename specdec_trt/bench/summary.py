@@ -16,6 +16,9 @@ import statistics
 from collections import defaultdict
 from collections.abc import Iterable
 
+import numpy as np
+
+from specdec_trt.bench.agents import AGENTS
 from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
 from specdec_trt.decoder import AUTO
 from specdec_trt.stats import ideal_speedup
@@ -161,6 +164,57 @@ def _pooled_step_s(plain_runs: list[dict]) -> float | None:
     no draft prefill)."""
     tokens = sum(r["generated_tokens"] - 1 for r in plain_runs)
     return sum(r["total_s"] - r["ttft_s"] for r in plain_runs) / tokens if tokens else None
+
+
+def agent_summary(runs: list[dict]) -> list[dict]:
+    """Per temperature and method of the agent workload: time to first token of each agent's first call and of
+    later calls (p50, p99), the whole workload's time (its calls' times, the median over the repeats that ran
+    every call) and against plain decoding's (repeat by repeat, then the median), tokens/s, the share of prompt
+    tokens found cached, and the acceptance of drafts from the store."""
+    groups: dict[tuple[float, str], list[dict]] = defaultdict(list)
+    for run in runs:
+        if run["suite"] == AGENTS:
+            groups[(run["temperature"], run["method"])].append(run)
+    wholes = {key: _whole_by_repeat(calls) for key, calls in groups.items()}
+    rows = []
+    for (temperature, method), calls in groups.items():
+        later = [c["ttft_s"] for c in calls if c["call"] > 0]
+        drafted = sum(c["store_drafted_tokens"] or 0 for c in calls)
+        accepted = sum(c["store_accepted_tokens"] or 0 for c in calls)
+        whole, plain = wholes[(temperature, method)], wholes.get((temperature, PLAIN), {})
+        paired = [whole[r] / plain[r] for r in whole.keys() & plain.keys()]
+        rows.append(
+            {
+                "temperature": temperature,
+                "method": method,
+                "calls": len(calls),
+                "first_call_ttft_p50_ms": 1e3 * _percentile([c["ttft_s"] for c in calls if c["call"] == 0], 50),
+                "later_calls_ttft_p50_ms": 1e3 * _percentile(later, 50),
+                "later_calls_ttft_p99_ms": 1e3 * _percentile(later, 99),
+                "whole_s": statistics.median(whole.values()),
+                "whole_vs_plain": statistics.median(paired) if paired else None,
+                "tokens_per_s": sum(c["generated_tokens"] for c in calls) / sum(c["total_s"] for c in calls),
+                "cached_share": sum(c["cached_prompt_tokens"] for c in calls) / sum(c["prompt_tokens"] for c in calls),
+                "store_drafted_tokens": drafted,
+                "store_acceptance": accepted / drafted if drafted else None,
+                "same_tokens_as_plain": _all_or_none(c["same_tokens_as_plain"] for c in calls),
+            }
+        )
+    return rows
+
+
+def _whole_by_repeat(calls: list[dict]) -> dict[int, float]:
+    """The workload's time in each repeat that ran every call (as many as the fullest repeat: an interrupted
+    run's last repeat is left out)."""
+    times: dict[int, list[float]] = defaultdict(list)
+    for call in calls:
+        times[call["repeat"]].append(call["total_s"])
+    most = max(len(t) for t in times.values())
+    return {repeat: sum(t) for repeat, t in times.items() if len(t) == most}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
 
 
 def _at(values: list[int], index: int) -> int:
