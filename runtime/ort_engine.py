@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnxruntime as ort
 import torch
 from onnxruntime.capi.onnxruntime_pybind11_state import set_global_thread_pool_sizes
 
+from specdec_trt.build_engines.manifest import ROTARY_POSITIONS_KEY
 from specdec_trt.runtime.engine import Engine
 
 _NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
@@ -56,7 +56,7 @@ def check_graph(session: ort.InferenceSession, spec: OrtModelSpec) -> None:
     expected = [spec.num_kv_heads, positions, spec.head_dim]
     element = "tensor(float16)" if spec.dtype == "float16" else "tensor(float)"
     problems = []
-    if grows and (rotary := rotary_positions(spec.path)) != spec.max_context:
+    if grows and (rotary := rotary_positions(session, spec.path)) != spec.max_context:
         problems.append(f"rotary tables for {rotary} positions, not {spec.max_context}")
     if len(caches) != 2 * spec.num_layers:
         problems.append(f"{len(caches) // 2} layers of cache, not {spec.num_layers}")
@@ -71,8 +71,14 @@ def check_graph(session: ort.InferenceSession, spec: OrtModelSpec) -> None:
         raise GraphMismatchError(f"{spec.path} has {'; '.join(problems)} as its manifest says: {_REBUILD}")
 
 
-def rotary_positions(path: Path) -> int | None:
-    """Positions the graph's rotary tables cover: its context (None: it has none), read without its weights."""
+def rotary_positions(session: ort.InferenceSession, path: Path) -> int | None:
+    """Positions the graph's rotary tables cover: its context (None: it has none), from the model's metadata, or
+    for a graph built without it, read from the graph at ``path`` without its weights."""
+    recorded = session.get_modelmeta().custom_metadata_map.get(ROTARY_POSITIONS_KEY)
+    if recorded is not None:
+        return int(recorded)
+    import onnx  # a second to import: only for graphs built before the metadata
+
     graph = onnx.load(str(path), load_external_data=False).graph
     return next((int(i.dims[0]) for i in graph.initializer if i.name == "rope_cos"), None)
 

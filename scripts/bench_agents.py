@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from benchlib.openai_client import ServerResponseError, stream_chunks
+from benchlib.openai_client import stream_chat
 from specdec_trt.bench.agents import Message, agent_loops, two_turn_chats
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
@@ -69,28 +69,6 @@ class Call:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
-
-
-def stream_chat(
-    client: httpx.Client, model: str, messages: list[Message], max_tokens: int
-) -> tuple[str, float, float, dict]:
-    """One streamed chat completion: its text, time to first token, end-to-end time and usage counts."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    body["stream_options"] = {"include_usage": True}
-    sent, first, pieces, usage, timings = time.perf_counter(), None, [], None, None
-    for chunk in stream_chunks(client, "/v1/chat/completions", body):
-        usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
-        text = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
-        if text:
-            first = first or time.perf_counter()
-            pieces.append(text)
-    if usage is None or first is None:
-        raise ServerResponseError("the stream carried no text or no usage")
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-    if cached is None and timings is not None:  # llama-server reports its cache hits in its timings
-        cached = timings.get("cache_n", 0)
-    counts = {"prompt": usage["prompt_tokens"], "cached": cached or 0, "completion": usage["completion_tokens"]}
-    return "".join(pieces), first - sent, time.perf_counter() - sent, counts
 
 
 def run_workload(url: str, workload: str, repeat: int, seed: int, args: dict) -> tuple[list[Call], float]:

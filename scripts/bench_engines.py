@@ -28,8 +28,10 @@ from benchlib.timing import step_seconds, step_seconds_by_width
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.bandwidth import machine_read_bandwidth
 from specdec_trt.bench.environment import environment
-from specdec_trt.bench.methods import TRANSFORMERS, Method, TransformersRunner
-from specdec_trt.build_engines.checkpoint import default_model_path, load_transformers_model
+from specdec_trt.bench.methods import TRANSFORMERS, Method
+from specdec_trt.bench.runners import TransformersRunner
+from specdec_trt.build_engines.checkpoint import load_transformers_model
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import read_manifest
 from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.runtime.engine import Engine

@@ -5,10 +5,17 @@ dec = SpeculativeDecoder.from_pretrained("path/to/target", draft="path/to/draft"
 out = dec.generate("prompt", SamplingParams(max_new_tokens=128, temperature=0.8, seed=1))  # num_draft_tokens=AUTO
 """
 
-__version__ = "0.1.0"  # before the imports: modules imported below may read it
+__version__ = "0.1.0"
 
-from specdec_trt.decoder import AUTO, GenerationOutput, GenerationStream, SpeculativeDecoder
-from specdec_trt.sampling import SamplingParams
-from specdec_trt.stats import GenerationStats
+from specdec_trt.lazy_exports import lazy_exports
 
-__all__ = ["AUTO", "GenerationOutput", "GenerationStats", "GenerationStream", "SamplingParams", "SpeculativeDecoder"]
+_EXPORTS = {
+    "AUTO": "specdec_trt.draft_spec",
+    "GenerationOutput": "specdec_trt.request",
+    "GenerationStats": "specdec_trt.stats",
+    "GenerationStream": "specdec_trt.decoder",
+    "SamplingParams": "specdec_trt.sampling",
+    "SpeculativeDecoder": "specdec_trt.decoder",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,25 +1,26 @@
 """Which target a command or a server opens, as plain data: an engine directory on ONNX Runtime, a checkpoint on
 the PyTorch engine, or the default engines (``specdec_trt.policy`` says where they live and when to build them).
-Options that contradict each other are refused when the options are made."""
+Options that contradict each other are refused when the options are made. The engines' packages (torch, ONNX
+Runtime) are imported only to open them, so that a command parses and refuses its options at once."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from rich.console import Console
-
-from specdec_trt.build_engines.checkpoint import default_model_path
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import EngineDirectoryError
-from specdec_trt.build_engines.model import DTYPES
-from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.draft_spec import DraftSpec
-from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_directory
-from specdec_trt.runtime.ort_engine import GraphMismatchError
 from specdec_trt.validation import ConflictingOptionsError
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from specdec_trt.loading import LoadedModels
+
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # of the PyTorch engine: build_engines.model.DTYPES, without torch
 ONNX_RUNTIME_UNUSED = ("device", "dtype", "max_context", "enforce_eager", "compile")  # PyTorch engine options
 
 
@@ -57,6 +58,8 @@ class BackendOptions:
     def resolved(self, err: Console) -> BackendOptions:
         """These options with the default engines (built first if needed, shown on ``err``) where neither
         backend was named."""
+        from specdec_trt.build_progress import default_engines_shown  # the build pipeline: torch, ONNX
+
         if self.on_pytorch or self.engines is not None:
             return self
         return replace(self, engines=default_engines_shown(err), is_default=True)
@@ -64,6 +67,13 @@ class BackendOptions:
     def open(self, drafts: Sequence[DraftSpec], err: Console) -> LoadedModels:
         """Open the target and a drafter per draft (building the default engines first if needed, and again
         if the cached ones fail to open)."""
+        import torch
+
+        from specdec_trt.build_engines.model import DTYPES
+        from specdec_trt.build_progress import default_engines_shown
+        from specdec_trt.loading import open_checkpoints, open_engine_directory
+        from specdec_trt.runtime.ort_engine import GraphMismatchError
+
         if self.on_pytorch:
             if self.threads:
                 torch.set_num_threads(self.threads)

@@ -9,13 +9,11 @@ The directory is assembled under ``<out>.partial`` and renamed into place only a
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -23,11 +21,13 @@ import onnxruntime as ort
 import torch
 
 from specdec_trt import __version__
-from specdec_trt.build_engines.checkpoint import Checkpoint, default_model_path, load_checkpoint, read_header
+from specdec_trt.build_engines.checkpoint import Checkpoint, load_checkpoint, read_header
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import ENGINE_DTYPES, MANIFEST_NAME, Manifest, ModelEntry, write_manifest
 from specdec_trt.build_engines.model import DTYPES, CompactDecoder, ModelConfig
 from specdec_trt.build_engines.onnx_export import INT4_BLOCK_SIZE, OPSET, check_exportable, export_onnx, quantize_int4
 from specdec_trt.build_lock import build_lock
+from specdec_trt.build_request import QUANTIZATIONS, BuildRequest
 from specdec_trt.draft_spec import INT4, NONE
 from specdec_trt.loading import check_same_vocabulary, model_spec
 from specdec_trt.runtime.ort_engine import OrtEngine, session_options
@@ -36,38 +36,10 @@ from specdec_trt.runtime.torch_engine import TorchEngine
 STAGES = ("load", "export target", "export draft", "quantize", "optimise", "verify", "write")
 MAX_DRAFT_LEN_LIMIT = 32
 VERIFY_TOLERANCE = {"float32": 1e-3, "float16": 5e-2}
-QUANTIZATIONS = ("none", "int4")  # of a model built from its own checkpoint; int4: MatMulNBits, block 32
-PRESETS = {
-    "smollm2-135m": {"target": None, "draft": INT4, "max_draft_len": 8, "max_context": 8192, "dtype": "float32"},
-}
 
 
 class BuildError(ValueError):
     """The requested build cannot be done; nothing was written."""
-
-
-@dataclass(frozen=True)
-class BuildRequest:
-    """What to build. ``target=None`` is the embedded SmolLM2-135M-Instruct; ``draft`` is a checkpoint,
-    "int4" (the target block-quantized to 4 bits) or "none". ``target_quantization`` and
-    ``draft_quantization`` block-quantize that checkpoint's linear layers to 4 bits ("int4"): a cheaper
-    draft (speculative decoding stays exact for any draft), or a smaller target, whose own output it then
-    is."""
-
-    out: Path
-    target: str | Path | None = None
-    draft: str | Path = INT4
-    max_draft_len: int = 8
-    max_context: int = 2048
-    dtype: str = "float32"
-    target_quantization: str = "none"
-    draft_quantization: str = "none"
-    force: bool = False
-
-
-def cache_root() -> Path:
-    """Where the project keeps what it builds once and reuses: ``$SPECDEC_CACHE`` or ~/.cache/specdec-trt."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec-trt"))
 
 
 def check_request(request: BuildRequest) -> tuple[ModelConfig, ModelConfig | None]:

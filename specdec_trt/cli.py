@@ -1,23 +1,26 @@
-"""Command-line interface: ``specdec-run`` and ``specdec-build``."""
+"""Command-line interface: ``specdec-run`` and ``specdec-build``. The runtime and the build pipeline (torch,
+transformers, ONNX) are imported inside the commands, once the options have parsed."""
 
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 from rich.table import Table
 
 from specdec_trt.backend import BackendOptions
-from specdec_trt.build import PRESETS, QUANTIZATIONS, BuildRequest
-from specdec_trt.build_progress import build_with_progress
+from specdec_trt.build_request import PRESETS, QUANTIZATIONS, BuildRequest
 from specdec_trt.cli_options import SEED, Command, DraftLengthType, FiniteFloat, backend_options
-from specdec_trt.decoder import DraftLength, GenerationOutput, SpeculativeDecoder
+from specdec_trt.draft_spec import DraftLength
 from specdec_trt.policy import DEFAULT_DRAFT, choose_draft
-from specdec_trt.sampling import SamplingParams
 from specdec_trt.user_text import check_text, read_stdin, unescape
+
+if TYPE_CHECKING:
+    from specdec_trt.request import GenerationOutput
 
 
 @click.command(cls=Command)
@@ -91,6 +94,10 @@ def run(
       specdec-run --target ./llama-1b --draft ./llama-160m "Once upon a time"
       specdec-run --device cuda --chat "Hello"
     """
+
+    from specdec_trt.decoder import SpeculativeDecoder
+    from specdec_trt.sampling import SamplingParams
+
     err = Console(stderr=True)
     text = _read_prompt(prompt, escape)
     if escape:
@@ -183,6 +190,9 @@ def build_command(
         raise click.UsageError("give --target (a checkpoint directory or .gguf file) or a --preset")
     if out is None:
         raise click.UsageError("give --out, the engine directory to write")
+
+    from specdec_trt.build_progress import build_with_progress
+
     err = Console(stderr=True)
     manifest = build_with_progress(BuildRequest(out=out, force=force, **settings), err)
     sizes = {
@@ -219,7 +229,7 @@ def _stats_table(output: GenerationOutput, num_draft_tokens: DraftLength, draft:
     table = Table(title=f"draft={draft} k={num_draft_tokens} finish={output.finish_reason}", show_header=False)
     table.add_row("tokens (prompt / generated)", f"{stats.prompt_tokens} / {stats.generated_tokens}")
     table.add_row("tokens/s (prefill included)", f"{stats.tokens_per_s:.1f}")
-    table.add_row("time to first token", f"{1e3 * stats.prefill_s:.0f} ms")
+    table.add_row("time to first token", f"{1e3 * stats.time_to_first_token_s:.0f} ms")
     if num_draft_tokens:
         table.add_row("acceptance rate", f"{stats.acceptance_rate:.2f}")
         table.add_row("tokens per round (tau)", f"{stats.mean_accepted_tokens:.2f}")

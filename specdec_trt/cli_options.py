@@ -12,9 +12,8 @@ from pathlib import Path
 
 import click
 
-from specdec_trt.backend import BackendOptions
-from specdec_trt.build_engines.model import DTYPES
-from specdec_trt.decoder import AUTO, DraftLength
+from specdec_trt.backend import DTYPE_NAMES, BackendOptions
+from specdec_trt.draft_spec import AUTO, DraftLength
 from specdec_trt.policy import MAX_DRAFT_LENGTH, DraftLengthWithoutDraftError
 from specdec_trt.validation import MAX_SEED, ConflictingOptionsError, InvalidValueError, check_threads
 
@@ -153,7 +152,7 @@ def backend_options(command: Callable) -> Callable:
         ),
         click.option(
             "--dtype",
-            type=click.Choice(sorted(DTYPES)),
+            type=click.Choice(DTYPE_NAMES),
             help="Weight and KV dtype on the PyTorch engine. [default: float32]",
         ),
         click.option(

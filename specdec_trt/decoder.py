@@ -23,6 +23,8 @@ from specdec_trt.loading import LoadedModels, open_checkpoints, open_engine_dire
 from specdec_trt.policy import DEFAULT_DRAFT, DEFAULT_NUM_DRAFT_TOKENS, choose_draft, draft_length_for
 from specdec_trt.policy import default_draft_length as default_draft_length  # re-exported: callers name it here
 from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK, DEFAULT_PREFILL_CHUNK_ROUNDS, PrefillPolicy
+from specdec_trt.profile import EngineProfile, profiled_rows
+from specdec_trt.profile_cache import ProfileCache, profile_key
 from specdec_trt.request import GenerationOutput, RequestHandle
 from specdec_trt.runtime.engine import ContextOverflowError, Engine
 from specdec_trt.sampling import SamplingParams
@@ -152,6 +154,8 @@ class SpeculativeDecoder:
             draft_store=draft_store,
         )
         self.max_context = self.scheduler.max_context
+        self.profiles: ProfileCache | None = None  # where this decoder's engine profile is kept, if anywhere
+        self.profiled = False  # whether its cost models were seeded by a profile of its engines
 
     @property
     def draft_confidence_threshold(self) -> float | None:
@@ -232,7 +236,7 @@ class SpeculativeDecoder:
         ``max_queue``, ``prefill_chunk``, ``prefill_chunk_rounds``, ``prefix_cache``, ``draft_store`` (see
         ``Scheduler``)."""
         drafter = loaded.only_drafter()
-        return cls(
+        decoder = cls(
             loaded.target,
             drafter,
             loaded.tokenizer,
@@ -242,6 +246,14 @@ class SpeculativeDecoder:
             draft=draft,
             **scheduling,
         )
+        if loaded.engine_dir is not None and loaded.threads is not None:
+            key = profile_key(loaded.threads, next(iter(loaded.drafters), "none"), decoder.max_auto_draft)
+            decoder.profiles = ProfileCache(loaded.engine_dir, key)
+            profile = decoder.profiles.load(profiled_rows(decoder.scheduler.max_batch_size))
+            if profile is not None:
+                decoder.scheduler.seed(profile)
+                decoder.profiled = True
+        return decoder
 
     def tokenize(self, prompt: Prompt) -> list[int]:
         """Token ids of a text prompt, or a token-id prompt checked against the vocabulary."""
@@ -304,6 +316,17 @@ class SpeculativeDecoder:
         """Start several requests at once (all of them or, on an error, none); ``params`` and
         ``num_draft_tokens`` are one for all or one per request."""
         return self.scheduler.submit(self._prepare(prompts, params, num_draft_tokens))
+
+    def profile(self) -> EngineProfile:
+        """Time the engines at the numbers of rows this decoder runs (``specdec_trt.profile``), seed the cost models
+        with the timings and keep them beside the engines, for every later decoder of this directory on this
+        machine; only while no request is in flight. Without a profile a decoder starts from the planner's prior
+        and learns from its own rounds."""
+        profile = self.scheduler.profile(profiled_rows(self.scheduler.max_batch_size))
+        self.profiled = True
+        if self.profiles is not None:
+            self.profiles.save(profile)
+        return profile
 
     def reset_prefix_cache(self) -> None:
         """Release the keys and values kept for later requests and forget earlier requests' text: the next

@@ -11,14 +11,11 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from specdec_trt.build_engines.checkpoint import (
-    Checkpoint,
-    default_model_path,
-    load_checkpoint,
-    load_tokenizer,
-    read_header,
-)
+from specdec_trt.build_engines.checkpoint import Checkpoint, load_checkpoint, load_tokenizer, read_header
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, Manifest, ModelEntry, read_manifest
+from specdec_trt.build_engines.verified_files import VerifiedFiles
+from specdec_trt.build_request import cache_root
 from specdec_trt.draft_spec import ENGINE, INT4, LOOKUP_FIRST, NGRAM, DraftSpec
 from specdec_trt.draft_store import DraftStore
 from specdec_trt.drafting import Drafter, LookupFirstDrafter, ModelDrafter, PromptLookupDrafter
@@ -26,6 +23,8 @@ from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.ort_engine import OrtEngine, OrtModelSpec
 from specdec_trt.runtime.torch_engine import TorchEngine
 from specdec_trt.validation import InvalidValueError, check_threads
+
+VERIFIED_FILES = "verified-files.json"  # in the cache directory: engine files checked and unchanged since
 
 
 class VocabularyMismatchError(ValueError):
@@ -43,6 +42,8 @@ class LoadedModels:
     drafters: dict[str, Drafter] = field(default_factory=dict)
     target_checkpoint: Path | None = None  # the checkpoint the target was made from (transformers' peers load it)
     draft_checkpoints: dict[str, Path] = field(default_factory=dict)  # label -> checkpoint of a model draft
+    engine_dir: Path | None = None  # the engine directory opened (None: checkpoints)
+    threads: int | None = None  # ONNX Runtime's intra-op threads, for an engine directory
 
     @property
     def max_context(self) -> int:
@@ -132,7 +133,7 @@ def open_engine_directory(
     or the target of another engine directory with the same vocabulary; each alone or behind prompt lookup."""
     threads = check_threads(threads, os.cpu_count() or 1)
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    manifest = read_manifest(directory, verified=VerifiedFiles(cache_root() / VERIFIED_FILES))
     # ONNX Runtime's thread pool owns the cores; torch only samples here, and its own threads waking
     # beside ONNX Runtime's slow every step.
     torch.set_num_threads(1)
@@ -140,6 +141,7 @@ def open_engine_directory(
     target = OrtEngine(model_spec(directory, manifest.target), threads)
     loaded = LoadedModels(target, tokenizer, list(manifest.target.eos_token_ids))
     loaded.target_checkpoint = Path(manifest.target.source)
+    loaded.engine_dir, loaded.threads = directory, threads or os.cpu_count() or 1
     own: ModelDrafter | None = None
     others: dict[Path, tuple[ModelDrafter, Path]] = {}  # other engine directories as drafts, each opened once
     for spec in drafts:

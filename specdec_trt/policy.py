@@ -15,14 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from specdec_trt.build import PRESETS, BuildRequest, cache_root
-from specdec_trt.build_engines.checkpoint import default_model_path
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import MANIFEST_NAME, EngineDirectoryError, read_manifest
 from specdec_trt.build_lock import build_lock
+from specdec_trt.build_request import PRESETS, BuildRequest, cache_root
 from specdec_trt.draft_spec import AUTO, ENGINE, LOOKUP_FIRST, NGRAM, DraftLength, DraftSpec
-from specdec_trt.runtime.engine import Engine
 from specdec_trt.validation import ConflictingOptionsError
+
+if TYPE_CHECKING:
+    from specdec_trt.runtime.engine import Engine
 
 DEFAULT_NUM_DRAFT_TOKENS = 5  # a fixed draft length where "auto" is not the default
 MAX_DRAFT_LENGTH = 64  # the most drafts per round a command line or a server request may ask for

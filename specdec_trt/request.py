@@ -272,12 +272,22 @@ class CancelAll:
     """To the engine thread: end every request."""
 
 
-@dataclass(frozen=True)
-class ResetPrefixCache:
-    """To the engine thread: release every idle slot's cache and forget earlier requests' text; ``done`` is set
-    once it has."""
+@dataclass
+class EngineWork:
+    """To the engine thread: run ``work`` between steps (where nothing else touches the engines); ``done`` is set
+    once it ran, with its ``result`` or its ``error``."""
 
-    done: threading.Event
+    work: Callable[[], object]
+    done: threading.Event = field(default_factory=threading.Event)
+    result: object = None
+    error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.result = self.work()
+        except Exception as error:  # noqa: BLE001 - the caller's to raise, on its own thread
+            self.error = error
+        self.done.set()
 
 
 class StepEvent(NamedTuple):

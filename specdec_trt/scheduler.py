@@ -33,16 +33,16 @@ from specdec_trt.drafting import STORE, Drafter, pad_right
 from specdec_trt.planner import DraftPlanner
 from specdec_trt.prefill import PrefillPolicy, PrefillQueue, next_chunk
 from specdec_trt.prefix_cache import EmptySlot, PrefixCache
-from specdec_trt.profile import profile_engines
+from specdec_trt.profile import EngineProfile, measure_engines
 from specdec_trt.request import (
     Cancel,
     CancelAll,
+    EngineWork,
     GenerationOutput,
     QueueFullError,
     Request,
     RequestHandle,
     RequestState,
-    ResetPrefixCache,
     SchedulerClosedError,
     StepEvent,
     Submit,
@@ -52,7 +52,7 @@ from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
 from specdec_trt.slots import SlotSupply, free_slots
 from specdec_trt.speculation import speculative_round
 
-Message = Submit | Cancel | CancelAll | ResetPrefixCache
+Message = Submit | Cancel | CancelAll | EngineWork
 _running: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # schedulers whose engine thread may be running
 
 
@@ -107,7 +107,6 @@ class Scheduler:
         self._ids = itertools.count()
         self._waiting_count = 0  # submitted, not yet admitted nor cancelled (under the lock)
         self._thread: threading.Thread | None = None  # the engine thread, while there is work
-        self._profiled = False
         self._closed = False
         self.error: BaseException | None = None  # what stopped the engine thread, if anything did
         # The engine thread's own state:
@@ -163,15 +162,39 @@ class Scheduler:
         """Release the cache of every idle slot and forget the text of ended requests (the draft store), as
         vLLM's ``reset_prefix_cache``: later requests start as on a fresh scheduler. Requests in flight keep
         their slots. Returns once done."""
-        done = threading.Event()
+        self._on_engine_thread(self._reset_prefix_cache)
+
+    def profile(self, row_counts: Sequence[int]) -> EngineProfile:
+        """Measure the engines at ``row_counts`` rows (``specdec_trt.profile``) and seed the cost models with the
+        timings, which are returned to be kept; only while no request is in flight."""
+
+        def measure() -> EngineProfile:
+            if self._active or self._waiting:
+                raise RuntimeError("requests are in flight: profile the engines before serving them")
+            profile = measure_engines(self.target, self.planner, row_counts, self._slots)
+            profile.apply(self.planner)
+            return profile
+
+        return self._on_engine_thread(measure)
+
+    def seed(self, profile: EngineProfile) -> None:
+        """Seed the cost models with a profile measured earlier on these engines."""
+        self._on_engine_thread(lambda: profile.apply(self.planner))
+
+    def _on_engine_thread(self, work: Callable[[], object]):
+        """Run ``work`` on the engine thread between steps and return its result (or raise its error)."""
+        message = EngineWork(work)
         with self._lock:
             if self.error is not None:
                 raise SchedulerClosedError(f"the engine stopped after an error ({type(self.error).__name__})")
             if self._closed:
                 raise SchedulerClosedError("the scheduler is closed")
-            self._inbox.put(ResetPrefixCache(done))
+            self._inbox.put(message)
             self._wake()
-        done.wait()
+        message.done.wait()
+        if message.error is not None:
+            raise message.error
+        return message.result
 
     def _wake(self) -> None:
         """Start the engine thread if none runs (under the lock)."""
@@ -196,9 +219,6 @@ class Scheduler:
         """The engine thread: steps while there is work, and ends when there is none (``submit`` starts it
         again), so an idle decoder holds no thread."""
         try:
-            if self.drafter is not None and not self._profiled:
-                profile_engines(self.target, self.planner, self.max_batch_size, self._slots)
-                self._profiled = True
             while True:
                 self._take_in()
                 if not self._waiting and not self._active:
@@ -228,9 +248,8 @@ class Scheduler:
             if isinstance(message, Submit):
                 self._waiting.append(message.request)
                 continue
-            if isinstance(message, ResetPrefixCache):
-                self._reset_prefix_cache()
-                message.done.set()
+            if isinstance(message, EngineWork):
+                message.run()
                 continue
             held = [*self._active.values(), *self._waiting]
             for request in [r for r in held if isinstance(message, CancelAll) or r.request_id == message.request_id]:
@@ -431,11 +450,12 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         """After an engine error: every request still waiting or running ends with it."""
-        for message in self._messages():
-            if isinstance(message, Submit):
-                self._waiting.append(message.request)
-            elif isinstance(message, ResetPrefixCache):
-                message.done.set()
+        for pending in self._messages():
+            if isinstance(pending, Submit):
+                self._waiting.append(pending.request)
+            elif isinstance(pending, EngineWork):
+                pending.error = SchedulerClosedError(f"the engine stopped after an error ({message})")
+                pending.done.set()
         for request in list(self._active.values()) + list(self._waiting):
             if not request.finished:
                 request.finish("error", message)

@@ -44,6 +44,8 @@ class SlotSupply:
 
     def __init__(self, target: Engine, drafter: Drafter | None, max_batch_size: int | None) -> None:
         self.target, self.drafter, self.max_batch_size = target, drafter, max_batch_size
+        if drafter is not None:  # another scheduler sharing the target may have grown it alone
+            drafter.reserve(target.num_slots)
         self._free = deque(empty_slots(target, drafter))
 
     def take(self, grow: bool, still_to_place: int) -> int | None:

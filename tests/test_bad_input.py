@@ -29,9 +29,10 @@ from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE, start_build
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.cli import bench
-from specdec_trt.build import PRESETS, BuildRequest, build
+from specdec_trt.build import BuildRequest, build
 from specdec_trt.build_engines.manifest import MANIFEST_NAME
 from specdec_trt.build_lock import build_lock, lock_path
+from specdec_trt.build_request import PRESETS
 from specdec_trt.cli import build_command, run
 from specdec_trt.distill.cli import distill_command
 from specdec_trt.policy import default_engine_dir

@@ -16,7 +16,7 @@ import torch
 from click.testing import CliRunner
 
 from benchlib.timing import step_seconds
-from specdec_trt.bench import methods as bench_methods
+from specdec_trt.bench import runners as bench_runners
 from specdec_trt.bench.cli import bench, peer_lengths
 from specdec_trt.bench.harness import SCHEMA
 from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
@@ -24,7 +24,8 @@ from specdec_trt.bench.report import auto_table
 from specdec_trt.bench.suites import SUITES, SuiteError, load_suite
 from specdec_trt.bench.summary import summarise
 from specdec_trt.build import BuildRequest, build
-from specdec_trt.build_engines.checkpoint import default_model_path, load_checkpoint, load_tokenizer
+from specdec_trt.build_engines.checkpoint import load_checkpoint, load_tokenizer
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.decoder import AUTO
 from specdec_trt.runtime.torch_engine import TorchEngine
 
@@ -417,7 +418,7 @@ def test_ctrl_c_leaves_valid_json_with_the_finished_prompts(
     models: dict[str, Path], suite_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ctrl-C (KeyboardInterrupt) during the second prompt: exit 130, the file holds the first prompt."""
-    original = bench_methods.OursRunner.run
+    original = bench_runners.OursRunner.run
     calls = 0
 
     def interrupted_run(self, method, prompt_ids, params):
@@ -427,7 +428,7 @@ def test_ctrl_c_leaves_valid_json_with_the_finished_prompts(
             raise KeyboardInterrupt
         return original(self, method, prompt_ids, params)
 
-    monkeypatch.setattr(bench_methods.OursRunner, "run", interrupted_run)
+    monkeypatch.setattr(bench_runners.OursRunner, "run", interrupted_run)
     out = tmp_path / "bench.json"
     code, output = invoke(
         *("--target", str(models["target"]), "--draft", "ngram", "--suite", str(suite_file), "-k", "2"),

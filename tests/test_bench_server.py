@@ -12,11 +12,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from bench_agents import stream_chat
 from serving import serve
 
 from benchlib.load import RequestTiming, against_best, load_summary, median_run, open_loop
-from benchlib.openai_client import ServerResponseError, stream_completion
+from benchlib.openai_client import ServerResponseError, stream_chat, stream_completion
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.servers import ServerStartError, free_port, running
 

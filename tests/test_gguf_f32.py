@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from specdec_trt.bench.gguf_f32 import write_f32_gguf
-from specdec_trt.build_engines.checkpoint import default_model_path, load_checkpoint
+from specdec_trt.build_engines.checkpoint import load_checkpoint
+from specdec_trt.build_engines.default_model import default_model_path
 
 
 def test_tensors_are_dequantized_and_metadata_copied(tmp_path) -> None:

@@ -19,6 +19,7 @@ from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE, build_all
 
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.build import BuildRequest
+from specdec_trt.build_engines import manifest as manifest_module
 from specdec_trt.build_engines.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -27,6 +28,7 @@ from specdec_trt.build_engines.manifest import (
     read_manifest,
 )
 from specdec_trt.build_engines.onnx_export import OPSET
+from specdec_trt.build_engines.verified_files import VerifiedFiles
 from specdec_trt.cli import run
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
@@ -192,3 +194,30 @@ def test_valid_directory_loads_and_records_the_request(engine_dir: Path, checkpo
     assert result.exit_code == 0, result.output
     expected = SpeculativeDecoder.from_engines(engine_dir).generate("hello", SamplingParams(max_new_tokens=8))
     assert json.loads(result.stdout)["token_ids"] == expected.token_ids
+
+
+def test_files_checked_once_are_not_read_again_until_they_change(
+    engine_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Opening the same engines again reads no file for its sha256; a byte flipped since (same size, in place)
+    is read again and caught."""
+    copy = tmp_path / "engines"
+    shutil.copytree(engine_dir, copy)
+    record = VerifiedFiles(tmp_path / "verified.json")
+    digests: list[Path] = []
+    counted = manifest_module.file_digest
+
+    def counting(path: Path) -> str:
+        digests.append(path)
+        return counted(path)
+
+    monkeypatch.setattr(manifest_module, "file_digest", counting)
+    read_manifest(copy, verified=record)
+    assert len(digests) == len(read_body(copy)["files"]) and (tmp_path / "verified.json").is_file()
+    digests.clear()
+    read_manifest(copy, verified=VerifiedFiles(tmp_path / "verified.json"))
+    assert digests == []
+    flip_one_byte(copy)
+    with pytest.raises(EngineDirectoryError, match="does not match its sha256"):
+        read_manifest(copy, verified=VerifiedFiles(tmp_path / "verified.json"))
+    assert digests == [copy / "draft" / "model.onnx.data"]

@@ -24,7 +24,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from specdec_trt.build_engines.checkpoint import Checkpoint, CheckpointError, default_model_path, load_checkpoint
+from specdec_trt.build_engines.checkpoint import Checkpoint, load_checkpoint
+from specdec_trt.build_engines.default_model import CheckpointError, default_model_path
 from specdec_trt.build_engines.model import ModelConfig, UnsupportedModelError
 from specdec_trt.runtime import cuda_graphs
 from specdec_trt.runtime.cpu_linear import TransposedLinear

@@ -642,3 +642,25 @@ def test_auto_draft_length_is_lossless(
     fresh = SpeculativeDecoder.from_engines(directory, "engine", num_draft_tokens=LOSSLESS_DRAFTS)
     broken, _ = pipeline_counts(fresh, WARPINGS[name], gamma=AUTO)
     assert chi_square_p(broken, probs) < REJECT_P
+
+
+def test_the_rotary_positions_come_from_the_graph_metadata_or_the_graph(engine_dirs: dict[str, Path]) -> None:
+    """A graph records the positions its rotary tables cover in its metadata (read at load without parsing the
+    graph); a graph built before that is read instead, to the same answer."""
+    import onnx
+    import onnxruntime as ort
+
+    from specdec_trt.build_engines.manifest import ROTARY_POSITIONS_KEY
+    from specdec_trt.runtime.ort_engine import rotary_positions, session_options
+
+    for graph in (engine_dirs["llama"] / "target" / "model.onnx", engine_dirs["int4"] / "draft" / "model.onnx"):
+        session = ort.InferenceSession(str(graph), session_options())
+        assert session.get_modelmeta().custom_metadata_map[ROTARY_POSITIONS_KEY] == str(MAX_CONTEXT)
+        model = onnx.load(str(graph), load_external_data=False)
+        del model.metadata_props[:]
+        older = graph.with_name("older.onnx")  # beside the graph: its weights' relative location still holds
+        onnx.save(model, str(older))
+        older_session = ort.InferenceSession(str(older), session_options())
+        assert ROTARY_POSITIONS_KEY not in older_session.get_modelmeta().custom_metadata_map
+        assert rotary_positions(older_session, older) == rotary_positions(session, graph) == MAX_CONTEXT
+        older.unlink()

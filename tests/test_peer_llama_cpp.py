@@ -15,7 +15,8 @@ from specdec_trt.bench.gguf_f32 import default_model_f32
 from specdec_trt.bench.harness import first_divergence
 from specdec_trt.bench.llama_cpp_peer import LlamaCppRunner
 from specdec_trt.bench.methods import LLAMA_CPP, Method
-from specdec_trt.build_engines.checkpoint import default_model_path, load_tokenizer
+from specdec_trt.build_engines.checkpoint import load_tokenizer
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import MANIFEST_NAME
 from specdec_trt.draft_spec import NGRAM
 from specdec_trt.policy import default_engine_dir

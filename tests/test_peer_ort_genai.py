@@ -29,12 +29,8 @@ from specdec_trt.bench.ort_genai_peer import (
 )
 from specdec_trt.bench.peers import FLOAT32, PeerRequest, open_peers
 from specdec_trt.build import BuildRequest, build
-from specdec_trt.build_engines.checkpoint import (
-    default_model_path,
-    load_checkpoint,
-    load_tokenizer,
-    load_transformers_model,
-)
+from specdec_trt.build_engines.checkpoint import load_checkpoint, load_tokenizer, load_transformers_model
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.manifest import MANIFEST_NAME
 from specdec_trt.decoder import AUTO
 from specdec_trt.draft_spec import NGRAM, DraftSpec

@@ -14,7 +14,7 @@ from test_build import MAX_CONTEXT, MAX_DRAFT_LEN, SIZE
 
 from specdec_trt import SpeculativeDecoder
 from specdec_trt.backend import BackendOptions
-from specdec_trt.bench.cli import default_drafts
+from specdec_trt.bench.session import default_drafts
 from specdec_trt.build import BuildRequest, build
 from specdec_trt.cli import run
 from specdec_trt.decoder import AUTO, DEFAULT_NUM_DRAFT_TOKENS

@@ -545,3 +545,19 @@ def test_many_concurrent_streams_through_few_slots(make_decoder) -> None:
     with ThreadPoolExecutor(16) as pool:
         texts = list(pool.map(stream, [(p, GREEDY, k) for p, k in zip(prompts, [2, AUTO, 0, 4] * 4)]))
     assert texts == alone
+
+
+@pytest.mark.parametrize("backend", ["pytorch", "onnxruntime"])
+def test_decoders_sharing_a_target_each_get_slots_in_their_own_drafter(checkpoints, engine_dir, backend) -> None:
+    """specdec-bench's runners share one target among decoders: a plain decoder grows the target's slots alone,
+    and a decoder with a model draft, admitted after it, grows its draft's slots to match."""
+    if backend == "pytorch":
+        loaded, _, _ = load_engines(*checkpoints, max_context=128)
+    else:
+        loaded = open_engine_directory(engine_dir, [DraftSpec.parse("engine")])
+    plain = SpeculativeDecoder(loaded.target, None, loaded.tokenizer, loaded.eos_token_ids, prefix_cache=False)
+    drafting = SpeculativeDecoder(
+        loaded.target, loaded.only_drafter(), loaded.tokenizer, loaded.eos_token_ids, prefix_cache=False
+    )
+    expected = plain.generate("the cat", GREEDY).token_ids
+    assert drafting.generate("the cat", GREEDY, 2).token_ids == expected

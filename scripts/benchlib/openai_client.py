@@ -1,4 +1,5 @@
-"""One streamed request to an OpenAI-compatible ``/v1/completions``, timed as a client sees it.
+"""Streamed requests to an OpenAI-compatible server, timed as a client sees them: ``/v1/completions`` (each
+arrival stamped) and ``/v1/chat/completions`` (time to first token, end to end, and the usage counts).
 
 Every server-sent event that carries text stamps an arrival. The tokens are counted from the response's
 ``usage`` (``stream_options.include_usage``); a server that sends no usage when streaming (llama_cpp.server)
@@ -58,3 +59,25 @@ def stream_completion(
         raise ServerResponseError("the stream carried no usage and no tokenizer was given to count its text")
     timing.ok = bool(timing.arrivals)
     return timing, text
+
+
+def stream_chat(
+    client: httpx.Client, model: str, messages: list[dict[str, str]], max_tokens: int
+) -> tuple[str, float, float, dict]:
+    """One streamed chat completion: its text, time to first token, end-to-end time and usage counts."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body["stream_options"] = {"include_usage": True}
+    sent, first, pieces, usage, timings = time.perf_counter(), None, [], None, None
+    for chunk in stream_chunks(client, "/v1/chat/completions", body):
+        usage, timings = chunk.get("usage") or usage, chunk.get("timings") or timings
+        text = "".join((c.get("delta") or {}).get("content") or "" for c in chunk.get("choices", []))
+        if text:
+            first = first or time.perf_counter()
+            pieces.append(text)
+    if usage is None or first is None:
+        raise ServerResponseError("the stream carried no text or no usage")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    if cached is None and timings is not None:  # llama-server reports its cache hits in its timings
+        cached = timings.get("cache_n", 0)
+    counts = {"prompt": usage["prompt_tokens"], "cached": cached or 0, "completion": usage["completion_tokens"]}
+    return "".join(pieces), first - sent, time.perf_counter() - sent, counts

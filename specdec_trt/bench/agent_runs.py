@@ -18,7 +18,8 @@ from functools import partial
 
 from specdec_trt.bench.agents import AGENTS, Message, agent_loops
 from specdec_trt.bench.harness import WARMUP_TOKENS, BenchConfig, first_divergence
-from specdec_trt.bench.methods import OURS, Converse, Method, OursRunner
+from specdec_trt.bench.methods import OURS, Method
+from specdec_trt.bench.runners import Converse, OursRunner
 from specdec_trt.bench.summary import PLAIN
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import torch
 
-from specdec_trt.bench.methods import torch_threads
+from specdec_trt.bench.runners import torch_threads
 
 EMBEDDING_OPS = {"Gather", "GatherBlockQuantized"}  # ops that read one row of a table per token
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from specdec_trt.build_engines.checkpoint import default_model_path
+from specdec_trt.build_engines.default_model import default_model_path
 
 
 def write_f32_gguf(source: Path, out: Path) -> Path:

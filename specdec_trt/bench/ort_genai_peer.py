@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_trt.bench.methods import PEERS_INSTALL, Method, Run, prompt_lookup_length
-from specdec_trt.build import cache_root
+from specdec_trt.build_request import cache_root
 from specdec_trt.sampling import SamplingParams
 
 PRECISIONS = ("fp32", "int4")

@@ -17,23 +17,16 @@ import torch
 from specdec_trt.bench.bandwidth import gguf_weight_bytes, module_weight_bytes, onnx_weight_bytes
 from specdec_trt.bench.gguf_f32 import f32_gguf_once
 from specdec_trt.bench.llama_cpp_peer import LlamaCppRunner
-from specdec_trt.bench.methods import (
-    LLAMA_CPP,
-    ORT_GENAI,
-    PEERS_INSTALL,
-    TRANSFORMERS,
-    Method,
-    TransformersRunner,
-)
+from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, PEERS_INSTALL, TRANSFORMERS, Method
 from specdec_trt.bench.ort_genai_peer import OrtGenaiRunner, build_genai_model, default_genai_dir, ort_genai_available
+from specdec_trt.bench.runners import TransformersRunner
 from specdec_trt.bench.servers import llama_cpp_available
-from specdec_trt.build import cache_root
 from specdec_trt.build_engines.manifest import read_manifest
+from specdec_trt.build_request import cache_root
 from specdec_trt.draft_spec import NGRAM
 from specdec_trt.loading import LoadedModels
 from specdec_trt.runtime.ort_engine import OrtEngine
 
-PEERS = (TRANSFORMERS, LLAMA_CPP, ORT_GENAI)
 FLOAT32, FOUR_BIT = "float32", "4-bit"
 _FOUR_BIT_GGUF = {
     gguf.LlamaFileType.MOSTLY_Q4_0,

@@ -11,7 +11,7 @@ from pathlib import Path
 from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
 from specdec_trt.bench.peers_report import peers_section
 from specdec_trt.bench.summary import PLAIN, TRANSFORMERS_GENERATE
-from specdec_trt.decoder import AUTO
+from specdec_trt.draft_spec import AUTO
 
 _COLUMNS = (
     ("method", "method", "{}"),

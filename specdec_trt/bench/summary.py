@@ -20,7 +20,7 @@ import numpy as np
 
 from specdec_trt.bench.agents import AGENTS
 from specdec_trt.bench.methods import HEURISTIC, OURS, TRANSFORMERS, Method
-from specdec_trt.decoder import AUTO
+from specdec_trt.draft_spec import AUTO
 from specdec_trt.stats import ideal_speedup
 
 PLAIN = Method(OURS, None).name

@@ -1,18 +1,20 @@
-"""``specdec-distill``: train a distilled draft for a target and write it as a checkpoint directory."""
+"""``specdec-distill``: train a distilled draft for a target and write it as a checkpoint directory. torch and the
+training code are imported once the options have parsed."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from specdec_trt.cli_options import SEED, Command, FiniteFloat, ThreadCount, number_list
-from specdec_trt.distill.pipeline import DataSettings, DistillConfig, DistillReport, distill
-from specdec_trt.distill.trainer import TrainSettings
+
+if TYPE_CHECKING:
+    from specdec_trt.distill.pipeline import DistillConfig, DistillReport
 
 
 @click.command(cls=Command)
@@ -108,6 +110,11 @@ def distill_command(**options) -> None:
       specdec-build --draft drafts/smollm2-distilled --out engines/smollm2-distilled
       specdec-run --engines engines/smollm2-distilled "Write a haiku about caches."
     """
+    import torch
+
+    from specdec_trt.distill.pipeline import DataSettings, DistillConfig
+    from specdec_trt.distill.trainer import TrainSettings
+
     err = Console(stderr=True)
     if options["threads"]:
         torch.set_num_threads(options["threads"])
@@ -149,6 +156,8 @@ def distill_command(**options) -> None:
 
 
 def _run_with_progress(config: DistillConfig, err: Console) -> DistillReport:
+    from specdec_trt.distill.pipeline import distill
+
     columns = (
         TextColumn("{task.description:<9}"),
         BarColumn(),

@@ -17,13 +17,8 @@ from pathlib import Path
 
 import torch
 
-from specdec_trt.build_engines.checkpoint import (
-    Checkpoint,
-    default_model_path,
-    load_tokenizer,
-    load_transformers_model,
-    read_config,
-)
+from specdec_trt.build_engines.checkpoint import Checkpoint, load_tokenizer, load_transformers_model, read_config
+from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_engines.model import ModelConfig
 from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.distill import corpus

@@ -1,22 +1,25 @@
-"""``specdec-serve``: the OpenAI-compatible HTTP server, with the same backend options as specdec-run."""
+"""``specdec-serve``: the OpenAI-compatible HTTP server, with the same backend options as specdec-run. The server
+and the runtime are imported once the options have parsed."""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import click
-import uvicorn
 from rich.console import Console
 
 from specdec_trt.backend import BackendOptions
 from specdec_trt.cli_options import Command, DraftLengthType, backend_options
-from specdec_trt.decoder import DraftLength, SpeculativeDecoder
+from specdec_trt.draft_spec import DraftLength
 from specdec_trt.policy import DEFAULT_DRAFT, choose_draft
 from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
-from specdec_trt.serve.app import ServerSettings, create_app
-from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
 from specdec_trt.serve.options import DecoderOptions, ReplicaPlan
+
+if TYPE_CHECKING:
+    from specdec_trt.decoder import SpeculativeDecoder
+    from specdec_trt.serve.app import ServerSettings
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -122,6 +125,11 @@ def serve(
       specdec-serve --target ./llama-1b --draft ./llama-160m --device cuda -k auto
       specdec-serve --ray --replicas 2 --threads 1
     """
+    import uvicorn
+
+    from specdec_trt.serve.app import ServerSettings, create_app
+    from specdec_trt.serve.lifecycle import FAILED, DrainingServer, Lifecycle
+
     err = Console(stderr=True)
     choose_draft(backend.engines, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target

@@ -5,13 +5,20 @@ replicas' plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from rich.console import Console
+from typing import TYPE_CHECKING
 
 from specdec_trt.backend import BackendOptions
-from specdec_trt.decoder import DraftLength, SpeculativeDecoder
+from specdec_trt.cli_options import describe
+from specdec_trt.draft_spec import DraftLength
 from specdec_trt.policy import choose_draft
 from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
+
+WARM_UP_TOKENS = 4  # of the warm-up request's prompt, and as many new ones
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from specdec_trt.decoder import SpeculativeDecoder
 
 
 @dataclass(frozen=True)
@@ -29,10 +36,13 @@ class DecoderOptions:
     prefix_cache: bool = True
 
     def open(self, err: Console) -> SpeculativeDecoder:
-        """The decoder (building the default engines first if needed, shown on ``err``)."""
+        """The decoder (building the default engines first if needed, shown on ``err``), its cost models seeded by
+        the engines' profile (the one kept beside them, or one measured now), warmed up."""
+        from specdec_trt.decoder import SpeculativeDecoder
+
         resolved = self.backend.resolved(err)
         spec, gamma = choose_draft(resolved.engines, self.draft, self.num_draft_tokens)
-        return SpeculativeDecoder.from_loaded(
+        decoder = SpeculativeDecoder.from_loaded(
             resolved.open([spec], err),
             gamma,
             draft=spec,
@@ -41,6 +51,16 @@ class DecoderOptions:
             prefill_chunk_rounds=self.prefill_chunk_rounds or None,
             prefix_cache=self.prefix_cache,
         )
+        if not decoder.profiled:  # measured before the first request, not inside it
+            with err.status("Timing the engines for this machine (once: kept beside engine directories)…"):
+                try:
+                    decoder.profile()
+                except OSError as error:
+                    err.print(
+                        f"[yellow]The profile could not be kept[/yellow] ({describe(error)}): measured again next start"
+                    )
+        warm_up(decoder)
+        return decoder
 
 
 @dataclass(frozen=True)
@@ -57,3 +77,14 @@ class ReplicaPlan:
     port: int = 8000
     address: str | None = None
     log_level: str = "info"
+
+
+def warm_up(decoder: SpeculativeDecoder) -> None:
+    """One short request through the target and the draft before the server reports ready, so that the first
+    client's request pays none of ONNX Runtime's first-run allocations; forgotten after (nothing of it stays
+    cached or in the store)."""
+    from specdec_trt.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
+    decoder.generate(list(range(WARM_UP_TOKENS)), params, 1 if decoder.drafter is not None else 0)
+    decoder.reset_prefix_cache()
