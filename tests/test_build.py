@@ -30,6 +30,7 @@ from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt.build_engines.onnx_export import ExportError
 from specdec_trt.cli import build_command, run
 from specdec_trt.loading import VocabularyMismatchError
+from specdec_trt.profile_cache import PROFILES_NAME
 
 SIZE = {"hidden_size": 64, "head_dim": 16}  # ONNX Runtime's GroupQueryAttention needs head_dim % 16 == 0
 MAX_DRAFT_LEN = 4
@@ -268,7 +269,9 @@ def built(checkpoints: Checkpoints, tmp_path_factory: pytest.TempPathFactory) ->
 @pytest.mark.slow
 def test_build_command_writes_an_engine_directory(built: Built, checkpoints: Checkpoints) -> None:
     stderr = " ".join(built.model_draft_stderr.split())  # rich wraps long lines at 80 columns off a terminal
-    assert "done" in stderr and f"{len(STAGES)}/{len(STAGES)}" in stderr, stderr
+    steps = len(STAGES) + 1  # the stages, then the profile of the engines built
+    assert "done" in stderr and f"{steps}/{steps}" in stderr, stderr
+    assert (built.model_draft / PROFILES_NAME).is_file()
     assert "Built" in stderr and "draft (model)" in stderr, stderr
     for name in ("target/model.onnx", "target/model.onnx.data", "draft/model.onnx", "draft/model.onnx.data"):
         assert (built.model_draft / name).is_file(), name
