@@ -81,6 +81,9 @@ def check_confidence_threshold(threshold: float | None) -> float | None:
     return threshold
 
 
+CONTENT_MARK = ("\ue000", "\ue001")  # private-use characters around a message's index while the template renders
+
+
 class GenerationStream:
     """Iterates over text pieces as tokens are accepted; ``output`` holds the full result afterwards. The
     request runs from the call that made the stream, whether or not it is being iterated."""
@@ -156,6 +159,7 @@ class SpeculativeDecoder:
         self.max_context = self.scheduler.max_context
         self.profiles: ProfileCache | None = None  # where this decoder's engine profile is kept, if anywhere
         self.profiled = False  # whether its cost models were seeded by a profile of its engines
+        self._longest_token_chars: int | None = None  # of the vocabulary's token strings, read on first use
 
     @property
     def draft_confidence_threshold(self) -> float | None:
@@ -263,11 +267,47 @@ class SpeculativeDecoder:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidValueError("this model has no tokenizer: pass the prompt as a list of token ids")
-            ids = self.tokenizer.encode(check_text(prompt, "the prompt"))
+            self._check_length(check_text(prompt, "the prompt"))
+            ids = self.tokenizer.encode(prompt)
         else:
             ids = check_token_ids(prompt, self.target.vocab_size)
         if not ids:
             raise InvalidValueError("the prompt is empty: give at least one token")
+        return ids
+
+    def _check_length(self, text: str) -> None:
+        """Refuse, before tokenizing it, a text whose length alone shows that it cannot fit the context: no token
+        spells more characters than the vocabulary's longest token string, so it holds at least that many fewer
+        tokens than characters (a megabyte of text is refused at once, not after seconds of tokenizing)."""
+        if self._longest_token_chars is None:
+            self._longest_token_chars = max(map(len, self.tokenizer.get_vocab()), default=1)
+        fewest = -(-len(text) // self._longest_token_chars)
+        if fewest > self.max_context:
+            raise ContextOverflowError(
+                f"the prompt's {len(text)} characters make at least {fewest} tokens, more than the max context "
+                f"{self.max_context}: shorten the prompt"
+            )
+
+    def tokenize_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the chat template, each message's content tokenized as text: a
+        control token's spelling inside it ("<|im_end|>") stays text, so no content can end its message or open
+        another role's. The template's own markers are its control tokens, as ``tokenize`` gives them. A
+        conversation that spells no control token is tokenized whole, as ``tokenize`` would."""
+        controls = [token.content for token in self.tokenizer.added_tokens_decoder.values()]
+        if not any(control in message["content"] for message in messages for control in controls):
+            return self.tokenize(self.apply_chat_template(messages))
+        marks = [f"{CONTENT_MARK[0]}{i}{CONTENT_MARK[1]}" for i in range(len(messages))]
+        rendered = self.apply_chat_template([dict(m) | {"content": mark} for m, mark in zip(messages, marks)])
+        self._check_length(rendered + "".join(m["content"] for m in messages))
+        ids = self.tokenizer.encode("")  # what the tokenizer puts first (a BOS), as ``tokenize`` would
+        rest = rendered
+        for mark, message in zip(marks, messages):
+            template, found, rest = rest.partition(mark)
+            if not found:
+                raise InvalidValueError("this model's chat template rewrites the messages' content: send a prompt")
+            ids += self.tokenizer.encode(template, add_special_tokens=False)
+            ids += self.tokenizer.encode(message["content"], add_special_tokens=False, split_special_tokens=True)
+        ids += self.tokenizer.encode(rest, add_special_tokens=False)
         return ids
 
     def apply_chat_template(self, message: str | Sequence[dict[str, str]]) -> str:

@@ -16,6 +16,7 @@ import torch
 
 from specdec_trt.runtime.transfer import to_device
 from specdec_trt.validation import (
+    MAX_INT64,
     MAX_SEED,
     InvalidTypeError,
     InvalidValueError,
@@ -54,10 +55,10 @@ class SamplingParams:
             raise InvalidValueError(f"{PREFIX}stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
         checks = (
-            lambda: check_integer("max_new_tokens", self.max_new_tokens, 1),
+            lambda: check_integer("max_new_tokens", self.max_new_tokens, 1, MAX_INT64),
             lambda: check_bounded("temperature", self.temperature, lambda t: t >= 0, ">= 0 (0 means greedy)"),
             lambda: check_bounded("top_p", self.top_p, lambda p: 0 < p <= 1, "in (0, 1] (1 disables it)"),
-            lambda: check_integer("top_k", self.top_k, 0),
+            lambda: check_integer("top_k", self.top_k, 0, MAX_INT64),
             lambda: check_bounded("min_p", self.min_p, lambda p: 0 <= p < 1, "in [0, 1) (0 disables it)"),
             lambda: self.seed is None or check_integer("seed", self.seed, 0, MAX_SEED),
             lambda: check_flag("ignore_eos", self.ignore_eos),

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from numbers import Integral, Real
 
 MAX_SEED = 2**64 - 1  # torch generators take unsigned 64-bit seeds
+MAX_INT64 = 2**63 - 1  # the most a count may be: the engines hold counts in int64 tensors
 
 
 class InvalidValueError(ValueError):
@@ -37,9 +38,11 @@ def check_integer(name: str, value: object, minimum: int, maximum: int | None = 
     """``value`` as an int if it is an integer in [minimum, maximum], else an error naming ``name``."""
     if not is_integer(value):
         raise InvalidTypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})")
-    if value < minimum or (maximum is not None and value > maximum):
-        bounds = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
-        raise InvalidValueError(f"{name} must be an integer {bounds}, got {value!r}")
+    if value < minimum:
+        raise InvalidValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    if maximum is not None and value > maximum:
+        most = "2^63 - 1 (a 64-bit integer)" if maximum == MAX_INT64 else str(maximum)
+        raise InvalidValueError(f"{name} must be an integer from {minimum} to {most}, got {value!r}")
     return int(value)
 
 

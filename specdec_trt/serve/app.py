@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.request import GenerationError, GenerationOutput, QueueFullError, RequestHandle, SchedulerClosedError
@@ -26,16 +27,18 @@ from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.serve.lifecycle import Lifecycle
 from specdec_trt.serve.metrics import ServerMetrics
 from specdec_trt.serve.protocol import CHAT, COMPLETIONS, APIError, ParsedRequest, bad_request, parse_request
+from specdec_trt.serve.request_limits import DEFAULT_MAX_REQUEST_BYTES
 from specdec_trt.serve.responses import DONE, ResponseWriter, error_body, sse
 
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """What the routes need besides the decoder: the model's name, the API key (None: open) and the
-    Retry-After seconds sent with a 429."""
+    """What the routes need besides the decoder: the model's name, the API key (None: open), the most bytes a
+    request's body may hold and the Retry-After seconds sent with a 429."""
 
     model_name: str
     api_key: str | None = None
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     retry_after_s: int = 1
 
 
@@ -83,11 +86,16 @@ def create_app(
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
         headers = {"Retry-After": str(settings.retry_after_s)} if error.status in (429, 503) else None
-        return JSONResponse(error_body(error), status_code=error.status, headers=headers)
+        return ErrorResponse(error, headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
-        return JSONResponse(error_body(APIError(error.status_code, str(error.detail))), status_code=error.status_code)
+        return ErrorResponse(APIError(error.status_code, str(error.detail)))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, error: Exception) -> JSONResponse:
+        """A bug answers in OpenAI's error JSON too (the traceback goes to the log), never in plain text."""
+        return ErrorResponse(APIError(500, f"internal error ({type(error).__name__})", code="internal_error"))
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -101,27 +109,34 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorize)])
+    async def model(model_id: str) -> dict:
+        if model_id != settings.model_name:
+            raise model_not_found(model_id)
+        return model_card()
+
+    def model_card() -> dict:
         decoder = lifecycle.serving()
-        card = {
+        return {
             "id": settings.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "specdec-trt",
             "max_model_len": decoder.max_context,
         }
-        return {"object": "list", "data": [card]}
+
+    def model_not_found(name: str) -> APIError:
+        message = f"the model '{name}' does not exist: this server serves '{settings.model_name}'"
+        return APIError(404, message, "model", "model_not_found")
 
     async def generate(request: Request, kind: str) -> Response:
-        parsed = parse_request(kind, await _json_body(request))
+        parsed = parse_request(kind, await _json_body(request, settings.max_request_bytes))
         decoder = lifecycle.serving()
         if parsed.model is not None and parsed.model != settings.model_name:
-            raise APIError(
-                404,
-                f"the model '{parsed.model}' does not exist: this server serves '{settings.model_name}'",
-                "model",
-                "model_not_found",
-            )
-        handle = _submit(decoder, parsed)
+            raise model_not_found(parsed.model)
+        handle = await asyncio.to_thread(_submit, decoder, parsed)  # tokenizing a long prompt holds no other request
         lifecycle.in_flight += 1
 
         def close() -> None:
@@ -179,19 +194,45 @@ def create_app(
     return app
 
 
-async def _json_body(request: Request) -> object:
+async def _json_body(request: Request, max_bytes: int) -> object:
+    """The request's JSON, read up to ``max_bytes`` (past them: 413, the rest unread)."""
+    message = f"the request body is larger than this server takes ({max_bytes} bytes): see --max-request-bytes"
+    too_large = APIError(413, message, code="too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    chunks, size = [], 0
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return json.loads(b"".join(chunks))
+    except ClientDisconnect:  # gone mid-body: nobody to answer, nothing to log
+        raise APIError(400, "the client disconnected before its request's body ended") from None
+    except RecursionError:
+        raise bad_request("the request body is nested too deeply to parse", code="invalid_json") from None
+    except ValueError as error:  # not JSON, not UTF-8, or a number of more digits than Python converts
         raise bad_request(f"the request body is not valid JSON ({error})", code="invalid_json") from None
+
+
+class ErrorResponse(JSONResponse):
+    """OpenAI's error JSON, ASCII only: a message that quotes the client's input (a lone surrogate in a field's
+    name) still encodes."""
+
+    def __init__(self, error: APIError, headers: dict[str, str] | None = None) -> None:
+        super().__init__(error_body(error), status_code=error.status, headers=headers)
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
 def _submit(decoder: SpeculativeDecoder, parsed: ParsedRequest) -> RequestHandle:
     """Tokenize the prompt (a chat through the template), fill an unbounded chat's token limit to the
     context, and submit; the decoder's refusals become the matching HTTP errors."""
     try:
-        prompt = decoder.apply_chat_template(parsed.messages) if parsed.kind == CHAT else parsed.prompt
-        ids = decoder.tokenize(prompt)
+        ids = decoder.tokenize_chat(parsed.messages) if parsed.kind == CHAT else decoder.tokenize(parsed.prompt)
         params, gamma = parsed.params, parsed.num_draft_tokens
         if parsed.max_tokens is None:
             reserve = decoder.draft_reserve(gamma)

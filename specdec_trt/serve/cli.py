@@ -16,6 +16,7 @@ from specdec_trt.draft_spec import DraftLength
 from specdec_trt.policy import DEFAULT_DRAFT, choose_draft
 from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS
 from specdec_trt.serve.options import DecoderOptions, ReplicaPlan
+from specdec_trt.serve.request_limits import DEFAULT_MAX_REQUEST_BYTES
 
 if TYPE_CHECKING:
     from specdec_trt.decoder import SpeculativeDecoder
@@ -71,6 +72,13 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
     help="Require 'Authorization: Bearer KEY' on every endpoint but /health (also from $SPECDEC_API_KEY).",
 )
 @click.option(
+    "--max-request-bytes",
+    type=click.IntRange(min=1024),
+    default=DEFAULT_MAX_REQUEST_BYTES,
+    show_default=True,
+    help="The most bytes a request's body may hold; a larger one gets 413 without being read.",
+)
+@click.option(
     "--drain-timeout",
     type=click.FloatRange(min=0),
     default=30.0,
@@ -107,6 +115,7 @@ def serve(
     prefix_cache: bool,
     served_model_name: str | None,
     api_key: str | None,
+    max_request_bytes: int,
     drain_timeout: float,
     log_level: str,
     on_ray: bool,
@@ -133,7 +142,8 @@ def serve(
     err = Console(stderr=True)
     choose_draft(backend.engines, draft, num_draft_tokens)  # a usage error before the server starts
     named = backend.engines or backend.target
-    settings = ServerSettings(served_model_name or (named.name if named else DEFAULT_MODEL_NAME), api_key)
+    name = served_model_name or (named.name if named else DEFAULT_MODEL_NAME)
+    settings = ServerSettings(name, api_key, max_request_bytes)
     options = DecoderOptions(
         backend, draft, num_draft_tokens, max_batch_size, max_queue, prefill_chunk_rounds, prefix_cache
     )

@@ -14,10 +14,12 @@ from typing import Any
 from specdec_trt.decoder import AUTO, DraftLength, check_num_draft_tokens
 from specdec_trt.policy import MAX_DRAFT_LENGTH
 from specdec_trt.sampling import SamplingParams
+from specdec_trt.serve.request_limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from specdec_trt.validation import MAX_SEED
 
 COMPLETIONS, CHAT = "completions", "chat"
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat fills the context
-MAX_STOP_STRINGS = 16
+ROLES = ("system", "user", "assistant")  # the roles of text chat that a chat template renders
 
 # Fields both endpoints implement, and each endpoint's own.
 COMMON = {
@@ -177,6 +179,8 @@ def _messages(body: dict) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise bad_request(f"{where} must be an object with a string 'role'", where)
+        if message["role"] not in ROLES:
+            raise bad_request(f"{where}.role {message['role']!r} is none of {', '.join(ROLES)}", f"{where}.role")
         extra = set(message) - {"role", "content", "name"}
         if extra:
             raise bad_request(f"{where}.{sorted(extra)[0]} is not supported", where)
@@ -221,26 +225,32 @@ def _sampling(body: dict, max_tokens: int | None) -> SamplingParams:
     if not 0 <= min_p < 1:
         raise bad_request(f"'min_p' must be in [0, 1), got {min_p}", "min_p")
     seed = _field(body, "seed", int, None)
-    if seed is not None and seed < 0:
-        raise bad_request(f"'seed' must be >= 0, got {seed}", "seed")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise bad_request(f"'seed' must be in [0, 2^64 - 1], got {seed}", "seed")
     stop = body.get("stop")
     stop = () if stop is None else (stop,) if isinstance(stop, str) else stop
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
         raise bad_request("'stop' must be a non-empty string or an array of non-empty strings", "stop")
     if len(stop) > MAX_STOP_STRINGS:
         raise bad_request(f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stop)}", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        longest = max(map(len, stop))
+        raise bad_request(f"a 'stop' string may be at most {MAX_STOP_CHARS} characters, got {longest}", "stop")
     ignore_eos = _field(body, "ignore_eos", bool, False)
-    return SamplingParams(
-        # A placeholder for chat without a limit: the server sets it once the prompt's length is known.
-        max_new_tokens=max_tokens or 1,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k, 0),
-        min_p=min_p,
-        seed=seed,
-        stop=tuple(stop),
-        ignore_eos=ignore_eos,
-    )
+    try:
+        return SamplingParams(
+            # A placeholder for chat without a limit: the server sets it once the prompt's length is known.
+            max_new_tokens=max_tokens or 1,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=max(top_k, 0),
+            min_p=min_p,
+            seed=seed,
+            stop=tuple(stop),
+            ignore_eos=ignore_eos,
+        )
+    except ValueError as error:  # in range for JSON, out of range for the engines (top_k past int64)
+        raise bad_request(str(error)) from None
 
 
 def _speculative(body: dict) -> DraftLength | None:
