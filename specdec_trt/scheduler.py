@@ -243,7 +243,7 @@ class Scheduler:
                 return
 
     def _take_in(self) -> None:
-        """Move submissions and cancellations out of the inbox."""
+        """Move submissions and cancellations out of the inbox, and run the work sent to this thread."""
         for message in self._messages():
             if isinstance(message, Submit):
                 self._waiting.append(message.request)
