@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import threading
@@ -51,11 +52,18 @@ class Served:
 
 @contextmanager
 def serve(
-    load: Callable[[], SpeculativeDecoder], api_key: str | None = API_KEY, wait_ready: bool = True
+    load: Callable[[], SpeculativeDecoder],
+    api_key: str | None = API_KEY,
+    wait_ready: bool = True,
+    max_request_bytes: int | None = None,
 ) -> Iterator[Served]:
-    """Serve ``load``'s decoder on a free port of 127.0.0.1 until the block ends."""
+    """Serve ``load``'s decoder on a free port of 127.0.0.1 until the block ends (``max_request_bytes``: the
+    server's bound on a body, None: its default)."""
     lifecycle = Lifecycle()
-    app = create_app(load, ServerSettings(MODEL, api_key), lifecycle)
+    settings = ServerSettings(MODEL, api_key)
+    if max_request_bytes is not None:
+        settings = dataclasses.replace(settings, max_request_bytes=max_request_bytes)
+    app = create_app(load, settings, lifecycle)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
