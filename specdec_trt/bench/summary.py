@@ -188,9 +188,9 @@ def agent_summary(runs: list[dict]) -> list[dict]:
                 "temperature": temperature,
                 "method": method,
                 "calls": len(calls),
-                "first_call_ttft_p50_ms": 1e3 * _percentile([c["ttft_s"] for c in calls if c["call"] == 0], 50),
-                "later_calls_ttft_p50_ms": 1e3 * _percentile(later, 50),
-                "later_calls_ttft_p99_ms": 1e3 * _percentile(later, 99),
+                "first_call_ttft_p50_ms": 1e3 * percentile([c["ttft_s"] for c in calls if c["call"] == 0], 50),
+                "later_calls_ttft_p50_ms": 1e3 * percentile(later, 50),
+                "later_calls_ttft_p99_ms": 1e3 * percentile(later, 99),
                 "whole_s": statistics.median(whole.values()),
                 "whole_vs_plain": statistics.median(paired) if paired else None,
                 "tokens_per_s": sum(c["generated_tokens"] for c in calls) / sum(c["total_s"] for c in calls),
@@ -213,7 +213,8 @@ def _whole_by_repeat(calls: list[dict]) -> dict[int, float]:
     return {repeat: sum(t) for repeat, t in times.items() if len(t) == most}
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile of ``values`` (NaN for none)."""
     return float(np.percentile(values, q)) if values else float("nan")
 
 
