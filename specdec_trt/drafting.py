@@ -270,7 +270,7 @@ class ModelDrafter:
         logits = self._catch_up(slots, sequences)
         tokens, dists, confidences = [], [], []
         for i in range(int(limits.max())):
-            token, probs = sampler.draw(logits)
+            token, probs = sampler.draw(logits, step=i)
             tokens.append(token)
             if probs is not None:  # None when every row is greedy: q is then one-hot on the draft
                 dists.append(probs)

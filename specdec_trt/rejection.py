@@ -7,38 +7,40 @@ Everything is tensor code over the whole batch: no Python loop over rows, positi
 A batch of greedy requests goes through ``greedy_verify``: with one-hot target distributions and
 deterministic drafts the rule above accepts a draft exactly when it is the target's argmax and replaces the
 first other one by the argmax, which needs neither the distributions nor random numbers.
+
+Seeded rows go through ``coupled_verify`` instead: the target's token at each position is its own sample there,
+drawn with noise keyed by the request's seed and the position (``seeded_noise``), and a draft is accepted while
+it equals that sample. Every token is then exactly the target's sample, drafts or none. A deterministic draft x
+is accepted with probability p(x), as above; a model draft, drawn with the same noise from q, with the
+probability that both races pick the same token, which is at most sum(min(p, q)), rejection sampling's rate.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from specdec_trt.sampling import argmax, sample_from, uniform
-
-Generators = torch.Generator | Sequence[torch.Generator | None] | None
+from specdec_trt.sampling import argmax, race, sample_from
 
 
 def rejection_sample(
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
     target_probs: torch.Tensor,
-    generator: Generators = None,
+    generator: torch.Generator | None = None,
     num_drafts: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Accept a prefix of each row's drafts and sample the token that follows it.
 
     draft_token_ids [B, g] int64; draft_probs [B, g, V] (the distributions the drafts were sampled from)
     or None for deterministic drafts (q is one-hot on the drafted token); target_probs [B, g+1, V],
-    already warped by the request's sampling parameters. ``generator`` is one generator for the batch or
-    one per row. ``num_drafts`` [B]: row r drafted only its first ``num_drafts[r]`` tokens (default: all g);
+    already warped by the request's sampling parameters; random numbers from ``generator`` (default: torch's
+    global one). ``num_drafts`` [B]: row r drafted only its first ``num_drafts[r]`` tokens (default: all g);
     the rest is padding, never accepted, and the bonus after a fully accepted row comes from its own last
     position. Returns output_ids [B, g+1] (accepted drafts, then the replacement or bonus token, then -1
     padding) and num_accepted [B].
     """
     batch, gamma = draft_token_ids.shape
-    u = _uniform(generator, batch, gamma + 1, target_probs.device)
+    u = torch.rand(batch, gamma + 1, device=target_probs.device, generator=generator)
     p = target_probs[:, :gamma].gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
     q = torch.ones_like(p) if draft_probs is None else draft_probs.gather(-1, draft_token_ids.unsqueeze(-1)).squeeze(-1)
     positions = torch.arange(gamma + 1, device=target_probs.device)
@@ -61,7 +63,28 @@ def greedy_verify(
     match the target's argmax, up to the first that does not (or the row's ``num_drafts``), then the argmax
     there (the correction) or after the last draft (the bonus). Returns output_ids [B, g+1] (-1 padded) and
     num_accepted [B]."""
-    target_ids = argmax(target_logits).to(draft_token_ids.device)
+    return _accept_matching(draft_token_ids, argmax(target_logits), num_drafts)
+
+
+def coupled_verify(
+    draft_token_ids: torch.Tensor,
+    target_probs: torch.Tensor,
+    exponentials: torch.Tensor,
+    num_drafts: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification of seeded rows: the target's token at each of the g+1 positions is the exponential race of
+    its warped distribution ``target_probs`` [B, g+1, V] on the row's noise there (``exponentials``, same
+    shape); the drafts [B, g] equal to it are accepted up to the first that is not (or the row's
+    ``num_drafts``), then the target's token follows. Returns output_ids [B, g+1] (-1 padded) and num_accepted
+    [B]."""
+    return _accept_matching(draft_token_ids, race(target_probs, exponentials), num_drafts)
+
+
+def _accept_matching(
+    draft_token_ids: torch.Tensor, target_ids: torch.Tensor, num_drafts: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's drafts while they equal the target's tokens [B, g+1], then the target's token after them."""
+    target_ids = target_ids.to(draft_token_ids.device)
     batch, gamma = draft_token_ids.shape
     positions = torch.arange(gamma + 1, device=target_ids.device)
     drafted = _drafted(num_drafts, batch, gamma, target_ids.device)
@@ -102,11 +125,3 @@ def _drafted(num_drafts: torch.Tensor | None, batch: int, gamma: int, device: to
     if num_drafts is None:
         return torch.full((batch,), gamma, dtype=torch.int64, device=device)
     return num_drafts.to(device=device, dtype=torch.int64)
-
-
-def _uniform(generator: Generators, batch: int, num: int, device: torch.device) -> torch.Tensor:
-    if generator is None or isinstance(generator, torch.Generator):
-        return torch.rand(batch, num, device=device, generator=generator)
-    if len(generator) != batch:
-        raise ValueError(f"got {len(generator)} generators for a batch of {batch}")
-    return uniform(generator, num, device)

@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from specdec_trt.draft_length import AcceptanceEvidence
 from specdec_trt.draft_spec import AUTO, DraftLength
 from specdec_trt.sampling import SamplingParams
+from specdec_trt.seeded_noise import SeededNoise
 from specdec_trt.stats import GenerationStats
 from specdec_trt.text import TextTracker
 
@@ -138,7 +138,7 @@ class Request:
     eos: frozenset[int]
     handle: RequestHandle
     submitted: float
-    generator: torch.Generator | None = None
+    noise: SeededNoise | None = None  # a seeded request's own randomness
     state: RequestState = RequestState.WAITING
     slot: int | None = None
     prefilled: int = 0
@@ -229,6 +229,12 @@ class Request:
     def finish(self, reason: str, error: str | None = None) -> None:
         self._move(RequestState.FINISHED)
         self.finish_reason, self.error = reason, error
+
+    def fail(self, error: str) -> None:
+        """End with ``error``, also after a finish (its text could not be handed over)."""
+        if not self.finished:
+            self._move(RequestState.FINISHED)
+        self.finish_reason, self.error = "error", error
 
     def emit(self) -> None:
         """Push the text that became stable since the last push (all of it once the request has finished)."""

@@ -1,7 +1,9 @@
 """Sampling parameters and batched logits warping.
 
 ``BatchSampler`` holds per-row parameters as tensors, so one call warps a whole batch with no Python loop
-over rows or the vocabulary. The warping order is Hugging Face's: temperature, top-k, top-p, min-p.
+over rows or the vocabulary. The warping order is Hugging Face's: temperature, top-k, top-p, min-p. A seeded
+row samples with its own noise, keyed by its seed and the token's position (``seeded_noise``); the other rows
+share torch's global generator.
 Greedy rows (temperature 0) become one-hot distributions on the argmax, which lets the rejection sampler
 treat them as ordinary rows; a batch of greedy rows only skips building them (``BatchSampler.draw``,
 ``rejection.greedy_verify``).
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec_trt.runtime.transfer import to_device
+from specdec_trt.seeded_noise import SeededNoise
 from specdec_trt.validation import (
     MAX_INT64,
     MAX_SEED,
@@ -84,9 +87,9 @@ class SamplingParams:
         return self.temperature <= LARGEST_GREEDY_TEMPERATURE
 
 
-def new_generator(params: SamplingParams, device: torch.device | str) -> torch.Generator | None:
-    """A generator seeded with ``params.seed`` on ``device``, or None without a seed."""
-    return None if params.seed is None else torch.Generator(torch.device(device)).manual_seed(params.seed)
+def seeded_noise(params: SamplingParams, device: torch.device | str) -> SeededNoise | None:
+    """The request's own noise when it samples with a seed; None for greedy or unseeded requests."""
+    return None if params.seed is None or params.greedy else SeededNoise(params.seed, device)
 
 
 def argmax(scores: torch.Tensor) -> torch.Tensor:
@@ -97,14 +100,10 @@ def argmax(scores: torch.Tensor) -> torch.Tensor:
     return scores.argmax(-1)
 
 
-def uniform(generators: Sequence[torch.Generator | None], num: int, device: torch.device) -> torch.Tensor:
-    """Uniform [0, 1) numbers, ``num`` per row [B, num]. A row with its own generator draws from it
-    (reproducible per request, whatever else is in the batch); the others share one batched draw."""
-    out = torch.rand(len(generators), num, device=device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            out[row] = torch.rand(num, device=device, generator=generator)
-    return out
+def race(probs: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """The exponential race: argmax(probs / exponentials) over the last dimension, a sample of the (possibly
+    unnormalised) distribution ``probs`` [..., V] when ``exponentials`` are independent Exp(1) numbers."""
+    return argmax(probs / exponentials)
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -117,14 +116,17 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 class BatchSampler:
-    """Per-row sampling parameters and generators for one batch of requests."""
+    """Per-row sampling parameters and seeded noise for one batch of requests."""
 
     def __init__(
         self,
         params: Sequence[SamplingParams],
         device: torch.device | str = "cpu",
-        generators: Sequence[torch.Generator | None] | None = None,
+        noises: Sequence[SeededNoise | None] | None = None,
+        positions: Sequence[int] | None = None,
     ) -> None:
+        """``noises``: each row's own (kept by its request across rounds; default: fresh ones from the seeds).
+        ``positions``: each row's position of its next token in its sequence (what seeded noise is keyed by)."""
         self.device = torch.device(device)
         self.params = list(params)
 
@@ -141,17 +143,21 @@ class BatchSampler:
         sampled = [p for p, g in zip(self.params, greedy) if not g]
         self._needs_sort = any(p.top_k > 0 or p.top_p < 1 for p in sampled)
         self._needs_min_p = any(p.min_p > 0 for p in sampled)
-        # Each request's own generator (kept by the request across rounds), or fresh ones from the seeds.
-        self.generators = (
-            list(generators) if generators is not None else [new_generator(p, self.device) for p in params]
-        )
+        self.noises = list(noises) if noises is not None else [seeded_noise(p, self.device) for p in self.params]
+        self.positions = list(positions) if positions is not None else [0] * len(self.params)
+        self.seeded_rows = [row for row, noise in enumerate(self.noises) if noise is not None]
 
     def __len__(self) -> int:
         return len(self.params)
 
     def subset(self, rows: Sequence[int]) -> BatchSampler:
         """The sampler of some of the rows (their own parameters and generators), in that order."""
-        return BatchSampler([self.params[r] for r in rows], self.device, [self.generators[r] for r in rows])
+        return BatchSampler(
+            [self.params[r] for r in rows],
+            self.device,
+            [self.noises[r] for r in rows],
+            [self.positions[r] for r in rows],
+        )
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Warped distributions [B, T, V] from float32 logits [B, T, V]."""
@@ -174,19 +180,34 @@ class BatchSampler:
             probs = torch.where(self.greedy[per_row], _one_hot_argmax(logits), probs)
         return probs
 
-    def sample(self, probs: torch.Tensor) -> torch.Tensor:
-        """One token per row from distributions [B, V], drawn with each row's generator."""
+    def noise(self, step: int, count: int, vocab: int) -> torch.Tensor:
+        """The seeded rows' noise [len(seeded_rows), count, vocab] for the ``count`` positions from each row's
+        next position plus ``step``."""
+        return torch.stack(
+            [self.noises[r].exponentials(self.positions[r] + step, count, vocab) for r in self.seeded_rows]
+        )
+
+    def sample(self, probs: torch.Tensor, step: int = 0) -> torch.Tensor:
+        """One token per row from distributions [B, V] for each row's next position plus ``step``: a seeded row
+        runs the exponential race on its noise there, the others sample with the global generator."""
         if self.all_greedy:
             return argmax(probs)
-        return sample_from(probs, uniform(self.generators, 1, self.device)[:, 0])
+        if len(self.seeded_rows) == len(self):
+            return race(probs, self.noise(step, 1, probs.shape[-1])[:, 0])
+        tokens = sample_from(probs, torch.rand(len(self), device=self.device))
+        if self.seeded_rows:
+            rows = to_device(torch.tensor(self.seeded_rows), self.device)
+            tokens[rows] = race(probs[rows], self.noise(step, 1, probs.shape[-1])[:, 0]).to(tokens.device)
+        return tokens
 
-    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token per row from logits [B, V], and the warped distributions [B, V] it was drawn from; when
-        every row is greedy, the argmax and None (the one-hot distributions are never needed)."""
+    def draw(self, logits: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row from logits [B, V] (for each row's next position plus ``step``), and the warped
+        distributions [B, V] it was drawn from; when every row is greedy, the argmax and None (the one-hot
+        distributions are never needed)."""
         if self.all_greedy:
             return argmax(logits), None
         probs = self.probs(logits.unsqueeze(1)).squeeze(1)
-        return self.sample(probs), probs
+        return self.sample(probs, step), probs
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:

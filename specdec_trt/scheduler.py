@@ -8,7 +8,7 @@ draft lengths ``specdec_trt.planner`` plans; where the target packs a pass's tok
 rides in the round's verify pass. An ended request's slot keeps its cache, idle, until a slot is needed.
 Every pass's time goes into one ``Costs`` that the prefill policy and the planner read. A request's greedy
 output never depends on what it shares the batch with; sampled output keeps the target's exact
-distribution, with each request's own generator.
+distribution, and a seeded request's depends on the request alone (``specdec_trt.seeded_noise``).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from specdec_trt.request import (
     Submit,
 )
 from specdec_trt.runtime.engine import Engine
-from specdec_trt.sampling import BatchSampler, SamplingParams, new_generator
+from specdec_trt.sampling import BatchSampler, SamplingParams, seeded_noise
 from specdec_trt.slots import SlotSupply, free_slots
 from specdec_trt.speculation import speculative_round
 
@@ -148,7 +148,7 @@ class Scheduler:
                 request = Request.create(
                     next(self._ids), prompt, params, gamma, now, self.tokenizer, self.eos_token_ids, self.cancel
                 )
-                request.generator = new_generator(params, self.target.device)
+                request.noise = seeded_noise(params, self.target.device)
                 self._inbox.put(Submit(request))
                 handles.append(request.handle)
             self._waiting_count += len(requests)
@@ -387,20 +387,25 @@ class Scheduler:
         self._record("prefill", rows, [len(c) for c in chunks])
         if complete:
             done = [rows[i] for i in complete]
-            sampler = BatchSampler([r.params for r in done], self.target.device, [r.generator for r in done])
+            sampler = self._sampler(done)
             first = sampler.draw(logits[complete].to(self.target.device))[0].tolist()
             now = time.perf_counter()
             for request, token in zip(done, first):
                 request.stats.prefill_s = now - request.admitted
-                request.extend([token])
-                self._emit(request)
+                self._commit(request, [token])
+
+    def _sampler(self, rows: list[Request]) -> BatchSampler:
+        """The rows' sampling parameters and seeded noise, at the position of each row's next token."""
+        return BatchSampler(
+            [r.params for r in rows], self.target.device, [r.noise for r in rows], [len(r.sequence) for r in rows]
+        )
 
     def _round(self, rows: list[Request], chunk: tuple[list[Request], list[Sequence[int]]] | None = None) -> None:
         """One speculative round over every decoding request, with ``chunk`` riding in its verify pass."""
         slots, sequences = [r.slot for r in rows], [r.sequence for r in rows]
         follows = self.prefill.chunk_follows_rounds(self.target.packs_rows) and self._prompts_to_prefill() > 0
         plan = self.planner.plan(rows, chunk is not None, follows)
-        sampler = BatchSampler([r.params for r in rows], self.target.device, [r.generator for r in rows])
+        sampler = self._sampler(rows)
         riders = [] if chunk is None else [(r.slot, c) for r, c in zip(*chunk)]
         result = speculative_round(
             self.target, self.drafter, slots, sequences, plan.limits, sampler, plan.draft, riders
@@ -419,8 +424,7 @@ class Scheduler:
             request.stats.record_round(drafted, accepted, part is not None and part.kind == STORE)
             request.stats.draft_s += result.draft_s
             request.stats.verify_s += result.verify_s
-            request.extend(tokens)
-            self._emit(request)
+            self._commit(request, tokens)
         if chunk is not None:
             self._prefilled(*chunk, result.rider_logits)
 
@@ -428,8 +432,14 @@ class Scheduler:
         if self.events is not None:
             self.events += [StepEvent(kind, r.request_id, n) for r, n in zip(rows, tokens)]
 
-    def _emit(self, request: Request) -> None:
-        request.emit()
+    def _commit(self, request: Request, tokens: Sequence[int]) -> None:
+        """Commit the request's new tokens and push its new text. An error in its own text (decoding its tokens,
+        matching its stop strings) ends this request alone, with that error: the batch goes on."""
+        try:
+            request.extend(tokens)
+            request.emit()
+        except Exception as error:  # noqa: BLE001 - one request's text must not stop the others
+            request.fail(f"{type(error).__name__}: {error}")
         if request.finished:
             self._retire(request)
 

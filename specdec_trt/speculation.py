@@ -2,7 +2,7 @@
 
 Cache invariant between rounds, per row: the target's cache holds the committed sequence except its last
 token. A round feeds the target [last committed token, d_1 .. d_k] for each row (each with its own k, 0 for a
-plain step) in one verify pass, rejection-samples each row with its own generator, and leaves the accepted
+plain step) in one verify pass, accepts each row's drafts (``_verify``), and leaves the accepted
 drafts and the target's token to commit; the next round rolls the target back to the committed length by
 moving its length pointers, so rejected drafts are never read and nothing is copied.
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec_trt.drafting import Draft, Drafter, DraftPlan, merge_drafts, pad_right
-from specdec_trt.rejection import greedy_verify, rejection_sample
+from specdec_trt.rejection import coupled_verify, greedy_verify, rejection_sample
 from specdec_trt.runtime.engine import Engine
 from specdec_trt.runtime.transfer import HostCopy, to_device
 from specdec_trt.sampling import BatchSampler
@@ -81,15 +81,30 @@ def speculative_round(
     logits = target.step(pass_slots, block, num_new, logits_from)
     rider_logits = logits[len(slots) :, 0] if riders else None
     logits = logits[: len(slots)]
-    num_drafts = to_device(draft.num_drafts, target.device)
-    if sampler.all_greedy:
-        output, num_accepted = greedy_verify(draft.token_ids, logits, num_drafts)
-    else:
-        probs = sampler.probs(logits)
-        output, num_accepted = rejection_sample(draft.token_ids, draft.probs, probs, sampler.generators, num_drafts)
+    output, num_accepted = _verify(draft, logits, sampler, to_device(draft.num_drafts, target.device))
     rows = torch.cat([output, num_accepted[:, None]], 1).tolist()  # the round's one host sync
     done = time.perf_counter()
     tokens = [row[: row[-1] + 1] for row in rows]
     return RoundResult(
         tokens, draft.num_drafts.tolist(), [row[-1] for row in rows], confidence, tock - tick, done - tock, rider_logits
     )
+
+
+def _verify(
+    draft: Draft, logits: torch.Tensor, sampler: BatchSampler, num_drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output ids [B, g+1] and accepted drafts [B] of each row from the target's logits [B, g+1, V]: a greedy
+    batch by argmax; seeded rows by the target's own sample on their keyed noise (``coupled_verify``), so their
+    text does not depend on what was drafted; the other rows by rejection sampling."""
+    if sampler.all_greedy:
+        return greedy_verify(draft.token_ids, logits, num_drafts)
+    probs = sampler.probs(logits)
+    seeded = sampler.seeded_rows
+    if len(seeded) == len(sampler):
+        return coupled_verify(draft.token_ids, probs, sampler.noise(0, *probs.shape[1:]), num_drafts)
+    output, num_accepted = rejection_sample(draft.token_ids, draft.probs, probs, None, num_drafts)
+    if seeded:
+        rows = to_device(torch.tensor(seeded), probs.device)
+        noise = sampler.noise(0, *probs.shape[1:])
+        output[rows], num_accepted[rows] = coupled_verify(draft.token_ids[rows], probs[rows], noise, num_drafts[rows])
+    return output, num_accepted

@@ -26,8 +26,10 @@ from specdec_trt.build_engines.checkpoint import read_config
 from specdec_trt.build_engines.model import DRAFT_VOCAB_KEY
 from specdec_trt.decoder import AUTO
 from specdec_trt.distill import DataSettings, DistillConfig, TrainSettings, distill
-from specdec_trt.rejection import rejection_sample
+from specdec_trt.rejection import coupled_verify, rejection_sample
 from specdec_trt.runtime.transfer import count_host_syncs
+from specdec_trt.sampling import BatchSampler
+from specdec_trt.seeded_noise import SeededNoise
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -107,20 +109,21 @@ def test_cuda_rejection_sampler_matches_cpu_for_the_same_uniforms(monkeypatch: p
 
 @needs_cuda
 def test_cuda_rejection_sampler_makes_no_host_sync() -> None:
-    """With the sampler's own random numbers (one CUDA generator, or one per row as the decoder passes
-    them), a call queues work only; the decoder's ``.tolist()`` afterwards is the round's one sync."""
+    """With a CUDA generator or torch's global one, and for seeded rows coupled verification on their keyed
+    noise (drawn on the host, copied through pinned memory), a call queues work only; the decoder's
+    ``.tolist()`` afterwards is the round's one sync."""
     drafts, q, target = to_cuda(sampler_cases(batch=64)["sampled"])
-    generators = {
-        "one generator": torch.Generator("cuda").manual_seed(0),
-        "per-row generators": [torch.Generator("cuda").manual_seed(i) if i % 3 else None for i in range(64)],
-        "global generator": None,
-    }
-    for name, generator in generators.items():
+    for name, generator in {"one generator": torch.Generator("cuda").manual_seed(0), "global generator": None}.items():
         for probs in (q, None):
             output, accepted = without_host_sync(
                 lambda probs=probs, generator=generator: rejection_sample(drafts, probs, target, generator)
             )
             assert output.shape == (64, drafts.shape[1] + 1) and bool((accepted >= 0).all()), name
+    noises = [SeededNoise(seed, "cuda") for seed in range(64)]
+    noises[0].exponentials(0, 1, target.shape[-1])  # the first pinned copy sets up the pinned allocator
+    sampler = BatchSampler([SamplingParams(temperature=0.8, seed=seed) for seed in range(64)], "cuda", noises)
+    output, accepted = without_host_sync(lambda: coupled_verify(drafts, target, sampler.noise(0, *target.shape[1:])))
+    assert output.shape == (64, drafts.shape[1] + 1) and bool((accepted >= 0).all())
     torch.cuda.set_sync_debug_mode("error")  # positive control: the mode does catch a sync
     try:
         with pytest.raises(RuntimeError, match="synchroniz"):

@@ -8,6 +8,10 @@ transformers' own model forward and its logits warpers.
 
 Every test has a negative control: a deliberately broken pipeline that the same test must reject.
 
+Unseeded requests go through rejection sampling, with torch's global generator seeded before each batch;
+seeded requests through coupled verification on their own keyed noise (``specdec_trt.seeded_noise``). Both
+are tested, each with its own negative controls.
+
 With num_draft_tokens="auto" the draft length of each round follows measured timings; those tests read a
 clock that advances a fixed step per reading (``steady_clock``), so they are repeatable too.
 """
@@ -22,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from test_rejection import race_agreement
 from transformers import AutoModelForCausalLM
 from transformers.generation.logits_process import (
     MinPLogitsWarper,
@@ -103,14 +108,21 @@ def exact_joint(model: torch.nn.Module, params: SamplingParams) -> np.ndarray:
 
 
 def pipeline_counts(
-    decoder: SpeculativeDecoder, params: SamplingParams, gamma: DraftLength, runs: int = RUNS, extra: int | None = None
+    decoder: SpeculativeDecoder,
+    params: SamplingParams,
+    gamma: DraftLength,
+    runs: int = RUNS,
+    extra: int | None = None,
+    seeded: bool = False,
 ) -> tuple[np.ndarray, list]:
-    """Counts of the first DEPTH tokens over ``runs`` seeded requests, run as one batch, each generating
-    ``extra`` tokens past them (default: AUTO_EXTRA with "auto", gamma otherwise)."""
+    """Counts of the first DEPTH tokens over ``runs`` requests (``seeded``: with seeds 0, 1, ...), run as one
+    batch, each generating ``extra`` tokens past them (default: AUTO_EXTRA with "auto", gamma otherwise)."""
     extra = extra if extra is not None else AUTO_EXTRA if gamma == AUTO else gamma
     requests = [
-        dataclasses.replace(params, seed=seed, max_new_tokens=DEPTH + extra, ignore_eos=True) for seed in range(runs)
+        dataclasses.replace(params, seed=seed if seeded else None, max_new_tokens=DEPTH + extra, ignore_eos=True)
+        for seed in range(runs)
     ]
+    torch.manual_seed(0)
     outputs = decoder.generate_batch([PROMPT] * runs, requests, num_draft_tokens=gamma)
     codes = [int(np.ravel_multi_index(out.token_ids[:DEPTH], (VOCAB,) * DEPTH)) for out in outputs]
     return np.bincount(codes, minlength=VOCAB**DEPTH), outputs
@@ -143,8 +155,8 @@ class _ReportsUnwarped:
     def __init__(self, sampler: BatchSampler) -> None:
         self.sampler, self.all_greedy, self.params = sampler, sampler.all_greedy, sampler.params
 
-    def draw(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        token, _ = self.sampler.draw(logits)
+    def draw(self, logits: torch.Tensor, step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        token, _ = self.sampler.draw(logits, step)
         return token, logits.softmax(-1)
 
 
@@ -227,12 +239,68 @@ def test_acceptance_rate_matches_theory(decoder, reference_models) -> None:
     prefixes = [PROMPT + [token] for token in range(VOCAB)]
     overlap = torch.minimum(reference_probs(target, prefixes, params), reference_probs(draft, prefixes, params)).sum(-1)
     expected = float((first * overlap).sum())
-    requests = [dataclasses.replace(params, seed=seed, max_new_tokens=3, ignore_eos=True) for seed in range(RUNS)]
-    outputs = decoder.generate_batch([PROMPT] * RUNS, requests, num_draft_tokens=1)
+    _, outputs = pipeline_counts(decoder, params, gamma=1, extra=0)
     assert all(out.stats.drafted_tokens == 1 for out in outputs)
     accepted = sum(out.stats.accepted_tokens for out in outputs)
     assert 0.2 < expected < 0.9, "the draft should disagree with the target a lot, but not always"
     assert stats.binomtest(accepted, RUNS, expected).pvalue > PASS_P
+
+
+# --- seeded requests: coupled verification ------------------------------------------------------------------
+
+
+@pytest.fixture
+def noise_keyed_without_positions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control for seeded requests: every batch draws from the noise of positions 0, 1, .. again, as if
+    the noise were keyed by the draft's index in a round instead of the token's position in its sequence."""
+
+    def sampler(self, rows):
+        return BatchSampler([r.params for r in rows], self.target.device, [r.noise for r in rows], [0] * len(rows))
+
+    monkeypatch.setattr(specdec_trt.scheduler.Scheduler, "_sampler", sampler)
+
+
+SEEDED_DRAFTERS = {"model k=3": 3, "prompt lookup k=3": 3, "model auto": AUTO}
+
+
+@pytest.mark.parametrize("name", SEEDED_DRAFTERS)
+def test_seeded_requests_are_lossless(name: str, checkpoints, reference_models, request, steady_clock) -> None:
+    """Seeded requests, one seed each, through coupled verification: the target's exact distribution with a model
+    draft, prompt lookup's deterministic drafts and auto's draft lengths. Then the same run with the noise keyed
+    without the positions must be rejected."""
+    gamma = SEEDED_DRAFTERS[name]
+
+    def fresh() -> SpeculativeDecoder:
+        if name.startswith("prompt lookup"):
+            _, engine, _ = load_engines(checkpoints[0], None, max_context=AUTO_CONTEXT)
+            return SpeculativeDecoder(engine, PromptLookupDrafter(max_ngram=2, min_ngram=1), num_draft_tokens=gamma)
+        return SpeculativeDecoder.from_pretrained(*checkpoints, max_context=AUTO_CONTEXT, num_draft_tokens=gamma)
+
+    params = WARPINGS["top_p" if name.startswith("prompt lookup") else "combined"]
+    probs = exact_joint(reference_models[0], params)
+    counts, outputs = pipeline_counts(fresh(), params, gamma, seeded=True)
+    assert sum(out.stats.accepted_tokens for out in outputs) > RUNS / 10
+    assert chi_square_p(counts, probs) > PASS_P
+    request.getfixturevalue("noise_keyed_without_positions")
+    broken_counts, _ = pipeline_counts(fresh(), params, gamma, seeded=True)
+    assert chi_square_p(broken_counts, probs) < REJECT_P
+
+
+def test_seeded_acceptance_rate_is_the_races_agreement(decoder, reference_models) -> None:
+    """With one draft in the first round, a seeded request accepts it with probability
+    E_x1[P(argmax(p / E) = argmax(q / E))] (``race_agreement``), below rejection sampling's E_x1[sum min(p, q)]:
+    the price of a text that does not depend on the drafts."""
+    params = WARPINGS["temperature"]
+    target, draft = reference_models
+    first = reference_probs(target, [PROMPT], params)[0]
+    prefixes = [PROMPT + [token] for token in range(VOCAB)]
+    p, q = reference_probs(target, prefixes, params), reference_probs(draft, prefixes, params)
+    expected = float(sum(first[x] * race_agreement(p[x], q[x]) for x in range(VOCAB)))
+    _, outputs = pipeline_counts(decoder, params, gamma=1, extra=0, seeded=True)
+    assert all(out.stats.drafted_tokens == 1 for out in outputs)
+    accepted = sum(out.stats.accepted_tokens for out in outputs)
+    assert stats.binomtest(accepted, RUNS, expected).pvalue > PASS_P
+    assert expected < float((first * torch.minimum(p, q).sum(-1)).sum())
 
 
 # --- num_draft_tokens="auto", with the draft's early stop -------------------------------------------------

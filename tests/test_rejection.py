@@ -8,8 +8,8 @@ import torch
 from scipy import stats
 
 from specdec_trt import rejection
-from specdec_trt.rejection import greedy_verify, recovery_distribution, rejection_sample
-from specdec_trt.sampling import sample_from
+from specdec_trt.rejection import coupled_verify, greedy_verify, recovery_distribution, rejection_sample
+from specdec_trt.sampling import race, sample_from
 
 VOCAB = 8
 # A target p and a draft q that disagree a lot, with p > 0 = q and q > 0 = p both present.
@@ -448,40 +448,65 @@ def test_single_generator_reproduces_outputs() -> None:
     assert not torch.equal(first[0], other[0]), "a different seed was meant to change some rows"
 
 
-def test_per_row_generators_reproduce_outputs() -> None:
-    batch = 16
-    drafts, draft_probs, target = sampled_batch(batch, 3, seed=21)
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        generators = [torch.Generator().manual_seed(100 + row) for row in range(batch)]
-        return rejection_sample(drafts, draft_probs, target, generators)
-
-    first, second = run(), run()
-    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+# --- coupled verification of seeded rows ----------------------------------------------------------------
 
 
-def test_per_row_generator_result_does_not_depend_on_other_rows() -> None:
-    gamma = 3
-    drafts, draft_probs, target = sampled_batch(5, gamma, seed=22)
-    row = 2
-    results_alone = []
-    for seed in range(30):
-        only = slice(row, row + 1)
-        alone = rejection_sample(drafts[only], draft_probs[only], target[only], [torch.Generator().manual_seed(seed)])
-        generators = [torch.Generator().manual_seed(1000 + i) if i % 2 else None for i in range(5)]
-        generators[row] = torch.Generator().manual_seed(seed)
-        together = rejection_sample(drafts, draft_probs, target, generators)
-        assert torch.equal(together[0][row], alone[0][0]) and together[1][row] == alone[1][0]
-        results_alone.append(tuple(alone[0][0].tolist()))
-    assert len(set(results_alone)) > 1, "the row's result was meant to depend on its seed"
+def race_agreement(p: torch.Tensor, q: torch.Tensor) -> float:
+    """P(argmax(p / E) = argmax(q / E)) for E iid Exp(1), exactly: both races pick x when E_x < E_y c_y for every
+    other y, c_y = min(p_x / p_y, q_x / q_y); the minimum of E_y c_y is Exp(sum of 1 / c_y), and an Exp(1) number
+    falls below an Exp(rate) one with probability 1 / (1 + rate)."""
+    p, q = p.double(), q.double()
+    total = 0.0
+    for x in range(len(p)):
+        if p[x] > 0 and q[x] > 0:
+            others = torch.arange(len(p)) != x
+            total += 1 / (1 + float(torch.maximum(p[others] / p[x], q[others] / q[x]).sum()))
+    return total
 
 
-@pytest.mark.parametrize("count", [0, 3, 5])
-def test_wrong_number_of_generators_raises(count: int) -> None:
-    drafts, draft_probs, target = sampled_batch(4, 2, seed=23)
-    generators = [torch.Generator().manual_seed(i) for i in range(count)]
-    with pytest.raises(ValueError, match="generators"):
-        rejection_sample(drafts, draft_probs, target, generators)
+def exponential_noise(*shape: int, seed: int) -> torch.Tensor:
+    return torch.empty(*shape).exponential_(generator=torch.Generator().manual_seed(seed))
+
+
+def test_coupled_verify_emits_the_targets_own_sample_whatever_was_drafted() -> None:
+    """Drafts equal to the target's samples, the draft's own samples raced on the same noise, or random tokens:
+    the output is the target's race up to and including the first draft that differs from it."""
+    batch, gamma = 256, 4
+    _, draft_probs, target = sampled_batch(batch, gamma, seed=24)
+    noise = exponential_noise(batch, gamma + 1, VOCAB, seed=3)
+    own = race(target, noise)
+    kinds = {
+        "the target's own": own[:, :gamma],
+        "raced from q": race(draft_probs, noise[:, :gamma]),
+        "random": torch.randint(VOCAB, (batch, gamma), generator=torch.Generator().manual_seed(4)),
+    }
+    positions = torch.arange(gamma + 1)
+    for name, drafts in kinds.items():
+        output, num_accepted = coupled_verify(drafts, target, noise)
+        differs = drafts != own[:, :gamma]
+        assert torch.equal(num_accepted, torch.where(differs.any(-1), differs.int().argmax(-1), gamma)), name
+        kept = positions <= num_accepted[:, None]
+        assert torch.equal(output[kept], own[kept]) and bool((output[~kept] == -1).all()), name
+    assert bool((coupled_verify(kinds["the target's own"], target, noise)[1] == gamma).all())
+    output, num_accepted = coupled_verify(own[:, :gamma], target, noise, torch.full((batch,), 2))
+    assert bool((num_accepted == 2).all()) and torch.equal(output[:, :3], own[:, :3])
+
+
+@pytest.mark.parametrize(("p", "q"), list(PAIRS.values()), ids=list(PAIRS))
+def test_coupled_acceptance_is_the_races_agreement_and_the_output_is_p(p: torch.Tensor, q: torch.Tensor) -> None:
+    """A draft raced from q on the target's noise is accepted when both races agree (``race_agreement``), never
+    more often than rejection sampling's sum(min(p, q)), and the emitted token is still a sample of p. A
+    deterministic draft x is accepted with probability p(x), as in rejection sampling."""
+    rows = 100_000
+    noise = exponential_noise(rows, 2, p.numel(), seed=12)
+    target = torch.stack([p, torch.full_like(p, 1 / p.numel())]).expand(rows, -1, -1)
+    output, num_accepted = coupled_verify(race(q, noise[:, :1]), target, noise)
+    assert binomial_pvalue(num_accepted == 1, race_agreement(p, q)) > 1e-3
+    assert race_agreement(p, q) <= float(torch.minimum(p, q).sum())
+    assert chi_square_pvalue(output[:, 0], p) > 1e-3
+    fixed = int(q.argmax())
+    _, num_accepted = coupled_verify(torch.full((rows, 1), fixed), target, noise)
+    assert binomial_pvalue(num_accepted == 1, float(p[fixed])) > 1e-3
 
 
 # --- output contract ---------------------------------------------------------------------------------

@@ -126,7 +126,8 @@ def lookup_rounds_replayed(decoder: SpeculativeDecoder, k: int | str, seed: int)
     and its output replayed the same way: whether the replay gives the run's rounds and per-position
     acceptances, and its accepted and rejected drafts."""
     prompt = [1, 5, 3, 6, 1, 5]
-    real = decoder.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0.8, seed=seed, ignore_eos=True))
+    torch.manual_seed(seed)  # unseeded: rejection sampling, with torch's global generator
+    real = decoder.generate(prompt, SamplingParams(max_new_tokens=40, temperature=0.8, ignore_eos=True))
     parts = {LOOKUP: lookup_proposer(decoder.drafter)}
     replayed = steady_rounds(prompt, real.token_ids, parts, lambda _: LOOKUP, k, decoder.max_auto_draft)
     drafted, accepted = position_counts(replayed, len(real.stats.drafted_per_position))

@@ -12,7 +12,8 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from specdec_trt.sampling import BatchSampler, SamplingParams, argmax, sample_from, uniform
+from specdec_trt.sampling import BatchSampler, SamplingParams, argmax, race, sample_from
+from specdec_trt.seeded_noise import SeededNoise
 
 VOCAB = 50
 LARGEST_U = 1.0 - 2.0**-24  # the largest float32 below 1: the top of torch.rand's range
@@ -279,16 +280,32 @@ def test_sample_from_handles_leading_dimensions_and_per_row_distributions() -> N
         assert row[ids[tuple(index)]] > 0
 
 
-# --- uniform and BatchSampler.sample --------------------------------------------------------------
+# --- seeded noise and BatchSampler.sample ---------------------------------------------------------
 
 
-def test_uniform_uses_each_rows_generator() -> None:
-    generators = [torch.Generator().manual_seed(5), None, torch.Generator().manual_seed(9)]
-    u = uniform(generators, 4, torch.device("cpu"))
-    assert u.shape == (3, 4)
-    assert ((u >= 0) & (u < 1)).all()
-    assert torch.equal(u[0], torch.rand(4, generator=torch.Generator().manual_seed(5)))
-    assert torch.equal(u[2], torch.rand(4, generator=torch.Generator().manual_seed(9)))
+def test_seeded_noise_is_a_function_of_seed_and_position_alone() -> None:
+    """Whatever positions were asked for before, and in whatever blocks, a position's noise is the same."""
+    in_order = SeededNoise(7, "cpu").exponentials(0, 6, VOCAB)
+    late = SeededNoise(7, "cpu")
+    late.exponentials(4, 2, VOCAB)
+    assert torch.equal(late.exponentials(3, 3, VOCAB), in_order[3:])
+    assert torch.equal(SeededNoise(7, "cpu").exponentials(5, 1, VOCAB)[0], in_order[5])
+    assert not torch.equal(in_order[0], in_order[1]), "each position draws its own noise"
+    assert not torch.equal(SeededNoise(8, "cpu").exponentials(0, 1, VOCAB)[0], in_order[0])
+    assert (in_order > 0).all()
+
+
+def test_the_race_samples_the_distribution_over_seeds() -> None:
+    """argmax(p / E) with Exp(1) noise is an exact sample of p: chi-square over 20,000 seeds, unnormalised
+    p with zeros included; the negative control, multiplying by the noise instead of dividing, is rejected."""
+    probs = random_logits(1, 1, seed=13, scale=1.5)[0, 0].softmax(-1)
+    probs[:3] = 0.0
+    unnormalised = 3.0 * probs
+    noise = torch.stack([SeededNoise(seed, "cpu").exponentials(0, 1, VOCAB)[0] for seed in range(20_000)])
+    tokens = race(unnormalised.expand(len(noise), -1), noise)
+    assert int((tokens < 3).sum()) == 0
+    assert chi_square_pvalue(tokens, probs) > 1e-3
+    assert chi_square_pvalue(race(unnormalised.expand(len(noise), -1), 1 / noise), probs) < 1e-6
 
 
 def flat_probs(batch: int, seed: int) -> torch.Tensor:
@@ -297,7 +314,7 @@ def flat_probs(batch: int, seed: int) -> torch.Tensor:
 
 
 def draw(sampler: BatchSampler, probs: torch.Tensor, steps: int) -> torch.Tensor:
-    return torch.stack([sampler.sample(probs) for _ in range(steps)], dim=1)
+    return torch.stack([sampler.sample(probs, step) for step in range(steps)], dim=1)
 
 
 def test_same_seed_gives_same_tokens_across_samplers() -> None:
@@ -321,6 +338,18 @@ def test_seeded_row_does_not_depend_on_other_rows() -> None:
     assert torch.equal(together[1], alone)
     assert alone.unique().numel() > 10, "the draws were meant to vary from step to step"
     assert torch.equal(together[3], logits[3, 0].argmax().expand(40)), "the greedy row samples its argmax"
+
+
+def test_a_seeded_row_samples_by_its_position_not_by_what_it_drew_before() -> None:
+    """Drawing at position 5 directly, or after drawing positions 0 to 4, gives the same token."""
+    params = [SamplingParams(temperature=1.0, seed=3)] * 2
+    probs = flat_probs(2, seed=5)
+    walked = draw(BatchSampler(params), probs, 6)[:, 5]
+    assert torch.equal(BatchSampler(params, positions=[5, 5]).sample(probs), walked)
+    assert torch.equal(
+        BatchSampler(params, positions=[2, 4]).sample(probs, step=1),
+        draw(BatchSampler(params), probs, 6)[[0, 1], [3, 5]],
+    )
 
 
 def test_different_seeds_give_different_tokens() -> None:

@@ -23,6 +23,7 @@ from test_losslessness import (
     chi_square_p,
     exact_joint,
     no_residual,
+    noise_keyed_without_positions,  # noqa: F401 - a fixture
     steady_clock,  # noqa: F401 - a fixture
 )
 from transformers import AutoModelForCausalLM
@@ -39,6 +40,7 @@ from specdec_trt.prefill import DEFAULT_PREFILL_CHUNK_ROUNDS, MIN_PREFILL_CHUNK,
 from specdec_trt.request import GenerationError, QueueFullError, Request, SchedulerClosedError
 from specdec_trt.runtime.engine import ContextOverflowError
 from specdec_trt.sampling import BatchSampler
+from specdec_trt.text import TextTracker
 
 SIZE = {"hidden_size": 64, "head_dim": 16}  # exportable to ONNX
 GREEDY = SamplingParams(max_new_tokens=24, ignore_eos=True)
@@ -133,6 +135,58 @@ def test_seeded_sampling_repeats_with_the_same_schedule(make_decoder) -> None:
         runs.append([h.result().token_ids for h in decoder.submit_batch(prompts, params, lengths)])
     assert runs[0] == runs[1]
     assert len({tuple(tokens) for tokens in runs[0]}) == len(sampled)
+
+
+def test_a_seeded_request_gives_its_plain_tokens_whatever_it_drafts_and_shares(make_decoder) -> None:
+    """A seeded sampled request returns the tokens it returns with no drafts: with fixed draft lengths, auto (on
+    the real clock), alone or in a burst of 8 other requests (twice in it), and with prompt lookup's drafts."""
+    decoder = make_decoder(max_batch_size=4)
+    lookup = SpeculativeDecoder(  # on the same target: each releases its slots before the other runs
+        decoder.target, PromptLookupDrafter(), decoder.tokenizer, decoder.eos_token_ids, prefix_cache=False
+    )
+    accepted = 0
+    for seed in range(4):
+        params = SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=seed, ignore_eos=True)
+        plain = solo(decoder, PROMPTS[seed], params, 0)
+        for k in (1, 3, AUTO, 0):
+            out = decoder.generate(PROMPTS[seed], params, num_draft_tokens=k)
+            assert out.token_ids == plain, (seed, k)
+            accepted += out.stats.accepted_tokens
+        others = [
+            (p, dataclasses.replace(params, seed=None if i % 2 else 100 + i), k)
+            for i, (p, _, k) in enumerate(requests())
+        ]
+        burst = [(PROMPTS[seed], params, AUTO), *others[:4], (PROMPTS[seed], params, 2), *others[4:]]
+        handles = decoder.submit_batch(*zip(*burst))
+        assert handles[0].result().token_ids == handles[5].result().token_ids == plain, seed
+        decoder.reset_prefix_cache()
+        assert lookup.generate(PROMPTS[seed], params, num_draft_tokens=AUTO).token_ids == plain, seed
+    assert accepted > 20, "drafts were meant to be accepted"
+
+
+def test_an_error_in_one_requests_text_ends_that_request_alone(make_decoder, monkeypatch) -> None:
+    """A fault injected into one request's stop-string check (its tracker raises at its fifth token): that request
+    ends with the error, the requests beside it keep their solo tokens, and the scheduler serves on."""
+    decoder = make_decoder(max_batch_size=3)
+    long = dataclasses.replace(GREEDY, max_new_tokens=40)
+    others = [("hello there", 2), ("quiet", AUTO)]
+    expected = [solo(decoder, prompt, long, k) for prompt, k in others]
+    add = TextTracker.add
+
+    def faulty(tracker: TextTracker, token_id: int) -> bool:
+        tracker.calls = getattr(tracker, "calls", 0) + 1
+        if "never said" in tracker.stop and tracker.calls == 5:
+            raise ValueError("an injected fault")
+        return add(tracker, token_id)
+
+    monkeypatch.setattr(TextTracker, "add", faulty)
+    doomed = decoder.submit("the cat sat on the mat", dataclasses.replace(long, stop=("never said",)), 2)
+    handles = [decoder.submit(prompt, long, k) for prompt, k in others]
+    with pytest.raises(GenerationError, match="ValueError: an injected fault"):
+        doomed.result()
+    assert [h.result().token_ids for h in handles] == expected
+    assert decoder.scheduler.error is None
+    assert solo(decoder, "hello there", long, 2) == expected[0]
 
 
 def test_cancelling_frees_the_slot_and_leaves_the_others_alone(make_decoder) -> None:
@@ -497,13 +551,15 @@ def lossless_models(make_checkpoint) -> tuple[tuple[Path, Path], torch.nn.Module
     return (target, draft), AutoModelForCausalLM.from_pretrained(target).eval()
 
 
-def shared_batch_counts(decoder: SpeculativeDecoder, params: SamplingParams) -> np.ndarray:
-    """Counts of the first DEPTH tokens of RUNS measured requests that flow through 96 slots with other
-    requests (other prompts, lengths and draft lengths) joining and leaving around them."""
+def shared_batch_counts(decoder: SpeculativeDecoder, params: SamplingParams, seeded: bool = False) -> np.ndarray:
+    """Counts of the first DEPTH tokens of RUNS measured requests (``seeded``: with seeds 0, 1, ..) that flow
+    through 96 slots with other requests (other prompts, lengths and draft lengths) joining and leaving around
+    them."""
     noise_rng = np.random.default_rng(0)
+    torch.manual_seed(0)
     measured, handles = [], []
     for start in range(0, RUNS, 500):
-        seeds = range(start, start + 500)
+        seeds = range(start, start + 500) if seeded else [None] * 500
         batch = [dataclasses.replace(params, seed=s, max_new_tokens=DEPTH, ignore_eos=True) for s in seeds]
         measured += decoder.submit_batch([PROMPT] * len(batch), batch, num_draft_tokens=3)
         for k in (0, 1, 5):
@@ -529,6 +585,20 @@ def test_sampled_output_keeps_the_exact_distribution_in_a_changing_batch(lossles
     assert chi_square_p(shared_batch_counts(decoder, params), probs) > PASS_P
     monkeypatch.setattr(specdec_trt.rejection, "recovery_distribution", no_residual)
     assert chi_square_p(shared_batch_counts(decoder, params), probs) < REJECT_P
+
+
+@pytest.mark.slow
+def test_seeded_output_keeps_the_exact_distribution_in_a_changing_batch(lossless_models, request) -> None:
+    """The same for seeded requests (coupled verification); the negative control keys the noise without the
+    positions."""
+    (target, draft), reference = lossless_models
+    params = WARPINGS["combined"]
+    probs = exact_joint(reference, params)
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, max_context=24, max_batch_size=96)
+    assert chi_square_p(shared_batch_counts(decoder, params, seeded=True), probs) > PASS_P
+    request.getfixturevalue("noise_keyed_without_positions")
+    decoder = SpeculativeDecoder.from_pretrained(target, draft, max_context=24, max_batch_size=96)
+    assert chi_square_p(shared_batch_counts(decoder, params, seeded=True), probs) < REJECT_P
 
 
 def test_many_concurrent_streams_through_few_slots(make_decoder) -> None:

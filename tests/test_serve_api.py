@@ -257,6 +257,39 @@ def test_sixteen_concurrent_streams_on_four_slots_equal_their_solo_outputs(serve
     assert max(peak) == 4
 
 
+def test_a_seeded_sampled_request_returns_one_text_alone_in_a_burst_and_at_any_draft_length(server) -> None:
+    """temperature 0.9 with a seed: the same text twice alone, with 0, 3 and auto drafts, and in a burst of eight
+    other sampled requests (some seeded, some not), whatever the draft lengths and timing did."""
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0)
+    seeded = {"temperature": 0.9, "seed": 42, "max_tokens": 24}
+
+    async def one(prompt: str, k, sampling: dict) -> str:
+        answer = await aclient.completions.create(
+            model=MODEL, prompt=prompt, extra_body={"ignore_eos": True, **speculative(k)}, **sampling
+        )
+        return answer.choices[0].text
+
+    async def run() -> tuple[list[str], list[str]]:
+        try:
+            alone = [await one(PROMPTS[0], k, seeded) for k in (0, 0, 3, 3, AUTO, AUTO)]
+            others = [
+                (
+                    PROMPTS[i % len(PROMPTS)],
+                    [0, 2, AUTO][i % 3],
+                    {"temperature": 0.9, "seed": i if i % 2 else None, "max_tokens": 20},
+                )
+                for i in range(8)
+            ]
+            burst = [(PROMPTS[0], AUTO, seeded), *others[:4], (PROMPTS[0], 3, seeded), *others[4:]]
+            together = await asyncio.gather(*(one(*request) for request in burst))
+            return alone, [together[0], together[5]]
+        finally:
+            await aclient.close()
+
+    alone, in_burst = asyncio.run(run())
+    assert len(set(alone + in_burst)) == 1 and alone[0]
+
+
 def test_a_client_disconnecting_mid_stream_frees_its_slot(server, client) -> None:
     before = server.metrics()
     body = {

@@ -21,6 +21,7 @@ whether it drafted y.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
@@ -395,9 +396,9 @@ def sampled_continuation(
         draft.forward(torch.tensor([sequence[length - 1 : length + depth]]))
         sampler = BatchSampler([replace(params, seed=(seed * 1_000_003 + length) * 64 + depth)])
         fed = torch.tensor([[token]])
-        while True:
+        for step in itertools.count():
             logits = draft.forward(fed)[:, 0].float()
-            drafted, probs = sampler.draw(logits)
+            drafted, probs = sampler.draw(logits, step)
             yield float(probs[0, drafted[0]])
             fed = drafted[:, None]
 
