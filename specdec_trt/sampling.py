@@ -214,12 +214,64 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(logits).scatter_(-1, argmax(logits).unsqueeze(-1), 1.0)
 
 
+# Widths of the top slice of each row's scores that top-k and top-p look at first, widest last; a batch whose kept
+# tokens may lie outside them sorts the whole vocabulary. torch.topk of 64 costs a fiftieth of a full sort at
+# 49,152 entries, and the nucleus of a chat model's token usually lies within it.
+CANDIDATE_WIDTHS = (64, 1024)
+
+
 def _top_k_top_p(scores: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Mask scores outside each row's top-k and then its top-p nucleus with -inf, as transformers'
-    ``TopKLogitsWarper`` and ``TopPLogitsWarper`` do (ties at the k-th score are kept)."""
+    ``TopKLogitsWarper`` and ``TopPLogitsWarper`` do (ties at the k-th score are kept; a nucleus that ends
+    among tied scores keeps those of lowest index, where transformers' order of ties is its sort's
+    accident). ``top_k`` and ``top_p`` are per row [B, 1, 1]."""
     vocab = scores.shape[-1]
-    ascending, order = scores.sort(-1)
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+    for width in CANDIDATE_WIDTHS:
+        if width < vocab:
+            kept = _filter_among_top(scores, k, top_p, width)
+            if kept is not None:
+                return kept
+    return _filter_sorted(scores, k, top_p)
+
+
+def _filter_among_top(scores: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor, width: int) -> torch.Tensor | None:
+    """``_top_k_top_p`` from each row's ``width`` highest scores, or None where a kept token may lie outside them
+    (a top-k past the width, a nucleus needing more mass than the candidates hold) or where the width cuts
+    through tied scores. A token outside them counts only through the mass it adds below the candidates in
+    top-p's ascending sum."""
+    vocab = scores.shape[-1]
+    index = scores.topk(width, -1).indices.sort(-1, descending=True).values
+    # Descending by score, tied scores by index: ``_filter_sorted``'s order, so that a nucleus cutting through
+    # tied scores keeps the same ones whichever path a batch takes.
+    values, order = scores.gather(-1, index).sort(dim=-1, stable=True)
+    top, index = values.flip(-1), index.gather(-1, order).flip(-1)
+    limited = k < vocab
+    if bool((limited & (k > width)).any()) or bool(((scores >= top[..., -1:]).sum(-1) > width).any()):
+        return None  # a top-k past the candidates, or scores tied with the lowest candidate left out of them
+    kth = top.gather(-1, (k.clamp(max=width) - 1).expand(*top.shape[:-1], 1))
+    in_top_k = torch.where(limited, top >= kth, True)
+    weights = (top - top[..., :1]).exp() * in_top_k
+    candidates = weights.sum(-1, keepdim=True)
+    total = torch.where(limited, candidates, (scores - top[..., :1]).exp().sum(-1, keepdim=True))
+    outside = (total - candidates) / total  # mass of the tokens outside the candidates (0 with a top-k)
+    unfiltered = ~limited & (top_p >= 1)
+    if bool((~unfiltered & (outside > 1 - top_p)).any()):
+        return None  # a token outside the candidates is in some row's nucleus
+    ascending = outside + (weights / total).flip(-1).cumsum(-1).flip(-1)  # top-p's ascending sum at each token
+    keep = in_top_k & (ascending > 1 - top_p)
+    keep[..., 0] = True  # always keep the most likely token
+    masked = torch.full_like(scores, float("-inf")).scatter_(-1, index, top.masked_fill(~keep, float("-inf")))
+    return torch.where(unfiltered, scores, masked)
+
+
+def _filter_sorted(scores: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """``_top_k_top_p`` over the whole sorted vocabulary."""
+    vocab = scores.shape[-1]
+    # Ascending, tied scores in descending index order (unlike torch's default sort, in a fixed order), so
+    # that the first of tied best scores, argmax's choice, is the last to go.
+    ascending, flipped = scores.flip(-1).sort(dim=-1, stable=True)
+    order = vocab - 1 - flipped
     kth_largest = ascending.gather(-1, (vocab - k).expand(*scores.shape[:-1], 1))
     ascending = ascending.masked_fill(ascending < kth_largest, float("-inf"))
     cumulative = ascending.softmax(-1).cumsum(-1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from scipy import stats
@@ -12,6 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from specdec_trt import sampling
 from specdec_trt.sampling import BatchSampler, SamplingParams, argmax, race, sample_from
 from specdec_trt.seeded_noise import SeededNoise
 
@@ -129,6 +132,40 @@ def test_probs_match_transformers_warpers(params: SamplingParams) -> None:
     probs = BatchSampler([params] * batch).probs(logits)
     assert probs.shape == logits.shape
     assert_matches_reference(probs, logits, [params] * batch)
+
+
+LARGE_VOCAB = 3000  # past every candidate width but the whole vocabulary
+
+
+def test_filters_over_a_large_vocabulary_match_transformers_from_the_top_candidates_or_the_whole_sort(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Top-k and top-p over 3,000 tokens, flat and peaked, as transformers' warpers give them (a nucleus ending
+    among tied scores keeps as many, of lowest index): most batches from the top 64 or 1,024 scores, the
+    others (a wide nucleus, a large k, a tie at the k-th score) from the whole sort; each path is taken."""
+    sorted_batches = []
+    whole_sort = sampling._filter_sorted
+    monkeypatch.setattr(sampling, "_filter_sorted", lambda *a: sorted_batches.append(1) or whole_sort(*a))
+    cases = [
+        (SamplingParams(temperature=t, top_k=k, top_p=p), scale)
+        for t, k, p, scale in itertools.product((0.5, 1.0), (0, 5, 64, 500), (1.0, 0.9, 0.3), (0.5, 8.0))
+        if k or p < 1
+    ]
+    batches = 0
+    for index, (params, scale) in enumerate(cases):
+        generator = torch.Generator().manual_seed(index)
+        logits = scale * torch.randn(2, 3, LARGE_VOCAB, generator=generator)
+        logits[1, 0, :70] = logits[1, 0].max() + 1.0  # 70 tied best scores: a top-k below 70 keeps them all
+        probs = BatchSampler([params] * 2).probs(logits)
+        reference = torch.stack([reference_probs(logits[row], params) for row in range(2)])
+        torch.testing.assert_close(probs[0], reference[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(probs[1, 1:], reference[1, 1:], atol=1e-6, rtol=0)
+        # Among the ties a nucleus keeps as many as transformers does, those of lowest index.
+        kept = probs[1, 0, :70] > 0
+        assert int(kept.sum()) == int((reference[1, 0, :70] > 0).sum())
+        assert bool(kept[: int(kept.sum())].all())
+        batches += 1
+    assert 0 < len(sorted_batches) < batches / 2, (len(sorted_batches), batches)
 
 
 def test_top_k_keeps_ties_like_transformers() -> None:
