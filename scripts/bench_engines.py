@@ -26,7 +26,7 @@ from rich.console import Console
 
 from benchlib.timing import step_seconds, step_seconds_by_width
 from specdec_trt import SamplingParams, SpeculativeDecoder
-from specdec_trt.bench.bandwidth import machine_read_bandwidth
+from specdec_trt.bench.bandwidth import stream_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.methods import TRANSFORMERS, Method
 from specdec_trt.bench.runners import TransformersRunner
@@ -167,7 +167,7 @@ def main(engines: Path | None, max_new_tokens: int, repeats: int, gammas: str, o
 
     # 5: bandwidth.
     bytes_per_token = weight_bytes_per_token(directory)
-    bandwidth = machine_read_bandwidth(cores)
+    bandwidth = stream_bandwidth(cores)["read"].best
     achieved = bytes_per_token * decode_rates["short"]["decode_tokens_per_s"] / 1e9
     results["bandwidth"] = {
         "machine_read_GBps": bandwidth,

@@ -18,9 +18,10 @@ from onnx import TensorProto, helper
 
 from specdec_trt.bench.bandwidth import (
     gguf_weight_bytes,
-    machine_read_bandwidth,
+    matrix_vector_bandwidth,
     module_weight_bytes,
     onnx_weight_bytes,
+    stream_bandwidth,
 )
 from specdec_trt.bench.harness import first_divergence
 from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, OURS, TRANSFORMERS, Method
@@ -93,9 +94,14 @@ def test_module_weight_bytes_count_tied_tables_once() -> None:
     assert module_weight_bytes(model) == everything - table  # the head is the table now, counted once
 
 
-def test_machine_read_bandwidth_is_a_rate_in_gigabytes() -> None:
-    rate = machine_read_bandwidth(threads=1, gigabytes=0.05, repeats=2)
-    assert 0.1 < rate < 10_000
+def test_stream_kernels_and_the_matrix_vector_product_give_rates_in_gigabytes() -> None:
+    """Plausible rates (0.1 GB/s to 10 TB/s), the median never above the best; the matrix-vector product on
+    distinct weights (shared ones would be read from cache and read faster than any memory)."""
+    rates = [*stream_bandwidth(threads=1, gigabytes=0.05, repeats=3).values()]
+    rates.append(matrix_vector_bandwidth(gigabytes=0.05, repeats=3))
+    assert len(rates) == 4
+    for rate in rates:
+        assert 0.1 < rate.median <= rate.best < 10_000
 
 
 def test_first_divergence_names_the_first_differing_token() -> None:

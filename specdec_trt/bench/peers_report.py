@@ -66,10 +66,10 @@ def peers_section(data: dict) -> str:
     parts = [f"## Against llama.cpp and onnxruntime-genai: {weights} weights\n", f"Measured by `{data['command']}`.\n"]
     if limits.get("machine_read_GBps"):
         parts.append(
-            f"The machine reads memory at {limits['machine_read_GBps']:.1f} GB/s (a streaming read on every core, "
-            "measured in this run). A plain decode step reads every weight once, so the weight bytes per token "
-            'over that rate bound its tokens/s ("bound tok/s"); "of the bound" is the share a method '
-            "reaches in its decode steps (time to first token excluded).\n"
+            f"The machine reads memory at {limits['machine_read_GBps']:.1f} GB/s (STREAM's read kernel on the "
+            f"run's threads, best of ten, measured in this run{_gauges(limits)}). A plain decode step reads every "
+            'weight once, so the weight bytes per token over that rate bound its tokens/s ("bound tok/s"); '
+            '"of the bound" is the share a method reaches in its decode steps (time to first token excluded).\n'
         )
     for suite in dict.fromkeys(r["suite"] for r in greedy):
         rows = compared_rows([r for r in greedy if r["suite"] == suite])
@@ -134,3 +134,15 @@ def _ratio_lines(greedy: Sequence[dict]) -> str:
 
 def _plain(rows: Sequence[dict], family: str) -> dict | None:
     return next((r for r in rows if r["family"] == family and r["draft"] is None), None)
+
+
+def _gauges(limits: dict) -> str:
+    """The other gauges of the run, where it measured them: STREAM's copy and triad, and ONNX Runtime's float32
+    matrix-vector product (what our float32 step's matrix work can reach)."""
+    found = []
+    stream = limits.get("stream_GBps", {})
+    if stream:
+        found.append(", ".join(f"{kernel} {rate['best']:.1f}" for kernel, rate in stream.items() if kernel != "read"))
+    if limits.get("matrix_vector_GBps"):
+        found.append(f"ONNX Runtime's float32 matrix-vector product {limits['matrix_vector_GBps']['best']:.1f}")
+    return "; " + "; ".join(found) + " GB/s" if found else ""

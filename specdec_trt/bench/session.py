@@ -3,6 +3,7 @@ write the JSON, the tables, the plots and the benchmarks document; or render the
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import sys
@@ -16,7 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from specdec_trt.backend import BackendOptions
 from specdec_trt.bench.agent_runs import AgentWorkload, run_agent_workload
 from specdec_trt.bench.agents import AGENTS, agent_loops
-from specdec_trt.bench.bandwidth import machine_read_bandwidth
+from specdec_trt.bench.bandwidth import matrix_vector_bandwidth, stream_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.harness import BenchConfig, BenchResults, run_benchmark
 from specdec_trt.bench.methods import OURS, Method
@@ -101,7 +102,7 @@ def run(
     results.weights, results.notes = weights, found.notes
     results.limits = _limits(models, found, torch_threads, err)
     interrupted = _measure(results, loaded_suites, agents, {OURS: ours, **found.runners}, ours, out, err)
-    readings = [results.limits["machine_read_GBps"], machine_read_bandwidth(torch_threads)]
+    readings = [results.limits["machine_read_GBps"], stream_bandwidth(torch_threads)["read"].best]
     results.limits |= {"machine_read_GBps": max(readings), "machine_read_GBps_before_after": readings}
     results.write(out)
     err.print(f"Wrote {out}")
@@ -176,8 +177,11 @@ def _limits(models: LoadedModels, found: Peers, threads: int, err: Console) -> d
     plain method, and where our plain decode step goes (ONNX Runtime engines)."""
     with err.status("Measuring the machine's memory bandwidth and our decode step…"):
         ours = our_weight_bytes(models)
+        stream = stream_bandwidth(threads)
         limits: dict = {
-            "machine_read_GBps": machine_read_bandwidth(threads),
+            "machine_read_GBps": stream["read"].best,
+            "stream_GBps": {kernel: dataclasses.asdict(rate) for kernel, rate in stream.items()},
+            "matrix_vector_GBps": dataclasses.asdict(matrix_vector_bandwidth()),  # on the engines' pool
             "weight_bytes_per_token": ({Method(OURS, None).name: ours} if ours else {}) | found.weight_bytes,
         }
         if isinstance(models.target, OrtEngine):
