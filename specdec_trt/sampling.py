@@ -151,7 +151,7 @@ class BatchSampler:
         return len(self.params)
 
     def subset(self, rows: Sequence[int]) -> BatchSampler:
-        """The sampler of some of the rows (their own parameters and generators), in that order."""
+        """The sampler of some of the rows (their own parameters, noise and positions), in that order."""
         return BatchSampler(
             [self.params[r] for r in rows],
             self.device,
@@ -183,9 +183,11 @@ class BatchSampler:
     def noise(self, step: int, count: int, vocab: int) -> torch.Tensor:
         """The seeded rows' noise [len(seeded_rows), count, vocab] for the ``count`` positions from each row's
         next position plus ``step``."""
-        return torch.stack(
-            [self.noises[r].exponentials(self.positions[r] + step, count, vocab) for r in self.seeded_rows]
-        )
+        rows = []
+        for row in self.seeded_rows:
+            self.noises[row].forget_before(self.positions[row])
+            rows.append(self.noises[row].exponentials(self.positions[row] + step, count, vocab))
+        return torch.stack(rows)
 
     def sample(self, probs: torch.Tensor, step: int = 0) -> torch.Tensor:
         """One token per row from distributions [B, V] for each row's next position plus ``step``: a seeded row

@@ -26,10 +26,12 @@ class SeededNoise:
         self.device = torch.device(device)
         self._kept: dict[tuple[int, int], torch.Tensor] = {}
 
+    def forget_before(self, position: int) -> None:
+        """Drop the noise of positions before ``position``, the request's next token: it never goes back."""
+        self._kept = {key: noise for key, noise in self._kept.items() if key[0] >= position}
+
     def exponentials(self, start: int, count: int, vocab: int) -> torch.Tensor:
-        """Noise [count, vocab] of positions ``start`` .. ``start + count - 1``. Positions before ``start`` are
-        dropped: a request's next token never goes back."""
-        self._kept = {key: noise for key, noise in self._kept.items() if key[0] >= start}
+        """Noise [count, vocab] of positions ``start`` .. ``start + count - 1``."""
         rows = [self._at(position, vocab) for position in range(start, start + count)]
         return torch.stack(rows) if rows else torch.empty(0, vocab, device=self.device)
 
