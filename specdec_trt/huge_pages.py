@@ -1,7 +1,7 @@
 """Weights in transparent huge pages: the commands that decode restart once with glibc's malloc asking for them.
 
-A decode step streams every weight once; with 4 KB pages that is 130,000 pages a token for SmolLM2-135M's 539 MB,
-and the TLB misses cost about a tenth of the step on this project's CPUs. ONNX Runtime allocates its (prepacked)
+A decode step streams every weight once, and with 4 KB pages it walks hundreds of thousands of them a token: the
+TLB misses are a measurable share of the step (docs/DECISIONS.md). ONNX Runtime allocates its (prepacked)
 weights with malloc, and glibc's malloc asks the kernel for transparent huge pages only under the tunable
 ``glibc.malloc.hugetlb=1``, which glibc reads when a process starts. So ``specdec-run``, ``specdec-serve`` and
 ``specdec-bench`` re-execute themselves once with it where the kernel gives huge pages on request (THP mode

@@ -217,8 +217,8 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 # Widths of the top slice of each row's scores that top-k and top-p look at first, widest last; a batch whose kept
-# tokens may lie outside them sorts the whole vocabulary. torch.topk of 64 costs a fiftieth of a full sort at
-# 49,152 entries, and the nucleus of a chat model's token usually lies within it.
+# tokens may lie outside them sorts the whole vocabulary. A small torch.topk costs a small fraction of a sort of
+# a large vocabulary, and the nucleus of a chat model's next token usually lies within it.
 CANDIDATE_WIDTHS = (64, 1024)
 
 
