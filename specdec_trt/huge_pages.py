@@ -1,6 +1,6 @@
 """Weights in transparent huge pages: the commands that decode restart once with glibc's malloc asking for them.
 
-A decode step streams every weight once, and with 4 KB pages it walks hundreds of thousands of them a token: the
+A decode step streams every weight once, and with 4 KB pages it walks over a hundred thousand of them a token: the
 TLB misses are a measurable share of the step (docs/DECISIONS.md). ONNX Runtime allocates its (prepacked)
 weights with malloc, and glibc's malloc asks the kernel for transparent huge pages only under the tunable
 ``glibc.malloc.hugetlb=1``, which glibc reads when a process starts. So ``specdec-run``, ``specdec-serve`` and
