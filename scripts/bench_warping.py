@@ -9,7 +9,6 @@ the engine's own draft at a fixed length, once with ``sampling.CANDIDATE_WIDTHS`
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -18,7 +17,8 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from specdec_trt import SamplingParams, SpeculativeDecoder, sampling
+from benchlib.shared_target import decode_tokens_per_s, decoder_on
+from specdec_trt import SamplingParams, sampling
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.suites import interleaved_prompt_texts
 from specdec_trt.draft_spec import DraftSpec
@@ -41,24 +41,19 @@ def main(out: Path, prompts: int, rounds: int, max_new_tokens: int, num_draft_to
     loaded = open_engine_directory(default_engine_dir(), [DraftSpec.parse("engine")])
     label = next(iter(loaded.drafters))
 
-    def decoder(drafting: bool) -> SpeculativeDecoder:
-        models = dataclasses.replace(loaded, drafters={label: loaded.drafters[label]} if drafting else {})
-        return SpeculativeDecoder.from_loaded(
-            models, num_draft_tokens if drafting else 0, prefix_cache=False, draft_store=False
-        )
-
-    decoders = {"plain": decoder(False), f"{label}, k={num_draft_tokens}": decoder(True)}
+    decoders = {
+        "plain": decoder_on(loaded, None, 0),
+        f"{label}, k={num_draft_tokens}": decoder_on(loaded, label, num_draft_tokens),
+    }
     texts = interleaved_prompt_texts(decoders["plain"].tokenizer)[:prompts]
     rates: dict[str, dict[str, list[float]]] = {path: {name: [] for name in decoders} for path in PATHS}
     for turn in range(rounds):
         for path in list(PATHS) if turn % 2 == 0 else list(reversed(PATHS)):
             sampling.CANDIDATE_WIDTHS = PATHS[path]
-            for name, decoder_ in decoders.items():
+            for name, decoder in decoders.items():
                 for seed, text in enumerate(texts):
                     params = SamplingParams(max_new_tokens=max_new_tokens, seed=seed, ignore_eos=True, **warping)
-                    stats = decoder_.generate(text, params).stats
-                    decode_s = stats.total_s - stats.prefill_s - stats.queue_s
-                    rates[path][name].append((stats.generated_tokens - 1) / decode_s)
+                    rates[path][name].append(decode_tokens_per_s(decoder.generate(text, params).stats))
             click.echo(f"round {turn + 1}/{rounds}: {path} done", err=True)
     medians = {path: {name: statistics.median(v) for name, v in by_name.items()} for path, by_name in rates.items()}
     table = Table(title=f"Sampled decode tokens/s (median prompt), {warping}")

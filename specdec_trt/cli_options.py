@@ -94,7 +94,7 @@ class FiniteFloat(click.FloatRange):
         return number
 
 
-SEED = click.IntRange(0, MAX_SEED)  # what torch's generators take
+SEED = click.IntRange(0, MAX_SEED)  # an unsigned 64-bit integer
 
 
 class DraftLengthType(click.ParamType):

@@ -255,7 +255,9 @@ def _filter_among_top(scores: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor
     in_top_k = torch.where(limited, top >= kth, True)
     weights = (top - top[..., :1]).exp() * in_top_k
     candidates = weights.sum(-1, keepdim=True)
-    total = torch.where(limited, candidates, (scores - top[..., :1]).exp().sum(-1, keepdim=True))
+    total = candidates
+    if not bool(limited.all()):  # rows without a top-k: the whole vocabulary's mass
+        total = torch.where(limited, candidates, (scores - top[..., :1]).exp().sum(-1, keepdim=True))
     outside = (total - candidates) / total  # mass of the tokens outside the candidates (0 with a top-k)
     unfiltered = ~limited & (top_p >= 1)
     if bool((~unfiltered & (outside > 1 - top_p)).any()):

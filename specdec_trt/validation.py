@@ -11,7 +11,7 @@ import math
 from collections.abc import Callable, Sequence
 from numbers import Integral, Real
 
-MAX_SEED = 2**64 - 1  # torch generators take unsigned 64-bit seeds
+MAX_SEED = 2**64 - 1  # seeds are unsigned 64-bit integers
 MAX_INT64 = 2**63 - 1  # the most a count may be: the engines hold counts in int64 tensors
 
 
