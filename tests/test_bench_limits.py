@@ -24,7 +24,7 @@ from specdec_trt.bench.bandwidth import (
     stream_bandwidth,
 )
 from specdec_trt.bench.harness import first_divergence
-from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, OURS, TRANSFORMERS, Method
+from specdec_trt.bench.methods import LLAMA_CPP, LLAMA_CPP_VERSION, ORT_GENAI, OURS, OWN_LENGTHS, TRANSFORMERS, Method
 from specdec_trt.bench.peers import FOUR_BIT, PeerError, PeerRequest, open_peers, weight_class
 from specdec_trt.bench.peers_report import compared_rows, peers_section
 from specdec_trt.bench.step_profile import step_breakdown
@@ -148,7 +148,7 @@ def run(method: str, total: float, ttft: float, draft: bool = False, same: bool 
 
 
 PLAIN, DEFAULT = Method(OURS, None), Method(OURS, "ngram+int4", AUTO)
-LLAMA, LOOKUP, GENAI = Method(LLAMA_CPP, None), Method(LLAMA_CPP, "ngram", 4), Method(ORT_GENAI, None)
+LLAMA, LOOKUP, GENAI = Method(LLAMA_CPP, None), Method(LLAMA_CPP, "ngram-mod", OWN_LENGTHS), Method(ORT_GENAI, None)
 LIMITS = {"machine_read_GBps": 20.0, "weight_bytes_per_token": {PLAIN.name: 500e6, LLAMA.name: 400e6}}
 
 
@@ -181,14 +181,16 @@ def test_peers_section_compares_plain_methods_and_the_fastest_drafters() -> None
     rows = summary()
     assert [r["method"] for r in compared_rows(rows)] == [PLAIN.name, LLAMA.name, GENAI.name, DEFAULT.name, LOOKUP.name]
     data = {"command": "specdec-bench x", "weights": "4-bit", "limits": LIMITS, "summary": rows, "notes": ["t: why"]}
+    data["environment"] = {"packages": {LLAMA_CPP_VERSION: "11434.0.0"}}
     text = peers_section(data)
+    assert "llama.cpp is its current source, build 11434.0.0" in text
     assert "## Against llama.cpp and onnxruntime-genai: 4-bit weights" in text
     assert "20.0 GB/s" in text and "| plain | 18.3 | 20.0 | 500 | 10.0 | 40.0 | 50% | yes |" in text
     assert f"| {GENAI.name} | 5.2 | 5.0 | - | - | - | - | from token 7 |" in text
     assert "our plain 1.83x llama.cpp's plain" in text  # 11 / 0.6 against 11 / 1.1
     assert "our plain 3.50x onnxruntime-genai's plain" in text  # 11 / 0.6 against 11 / 2.1
     assert f"our {DEFAULT.name} 3.14x llama.cpp's plain" in text  # 11 / 0.35 against 11 / 1.1
-    assert f"our {DEFAULT.name} 1.71x {LOOKUP.name}" in text  # 11 / 0.35 against 11 / 0.6
+    assert f"our {DEFAULT.name} 1.71x llama.cpp's best, {LOOKUP.name}" in text  # 11 / 0.35 against 11 / 0.6
     assert "our plain at 50% of the bandwidth bound" in text
     assert "- t: why" in text
 

