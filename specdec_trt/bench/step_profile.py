@@ -22,26 +22,32 @@ MATRIX_OPS = {"MatMul", "MatMulNBits", "Gemm", "FusedMatMul", "MatMulInteger", "
 ATTENTION_OPS = {"GroupQueryAttention", "MultiHeadAttention", "Attention"}
 
 
-def step_breakdown(spec: OrtModelSpec, context: int = 100, steps: int = 32) -> dict:
-    """Milliseconds per one-token decode step of ``spec``'s graph after a ``context``-token prefill, split
-    into matrix products, attention, other nodes, and what the nodes do not account for (the host's work
-    and the gaps between kernels); each with its share of the step."""
-    context = max(1, min(context, spec.max_context - steps))  # a small engine holds fewer positions
+def step_breakdown(spec: OrtModelSpec, context: int = 100, steps: int = 32, rows: int = 1, width: int = 1) -> dict:
+    """Milliseconds per pass of ``spec``'s graph over ``rows`` sequences of ``context`` cached tokens each,
+    ``width`` new tokens a row (1: a decode step; more: a verify pass, logits of every token), split into
+    matrix products, attention, other nodes, and what the nodes do not account for (the host's work and the
+    gaps between kernels); each with its share of the pass."""
+    context = max(1, min(context, spec.max_context - steps * width))  # a small engine holds fewer positions
     with tempfile.TemporaryDirectory() as scratch:
         engine = OrtEngine(spec, profile_prefix=Path(scratch) / "step")
-        engine.reserve(1)
-        engine.admit(0)
-        engine.step([0], torch.arange(context).remainder(spec.vocab_size)[None], logits_from=[context - 1])
+        engine.reserve(rows)
+        prompt = torch.arange(context).remainder(spec.vocab_size)[None]
+        for slot in range(rows):  # one prefill run each: the profile skips them
+            engine.admit(slot)
+            engine.step([slot], prompt, logits_from=[context - 1])
+        slots = list(range(rows))
         start = time.perf_counter()
-        for token in range(steps):
-            engine.step([0], torch.tensor([[token % spec.vocab_size]]))
+        for step in range(steps):
+            engine.step(slots, torch.arange(step, step + rows * width).remainder(spec.vocab_size).view(rows, width))
         wall_ms = (time.perf_counter() - start) * 1e3 / steps
         trace = json.loads(Path(engine.session.end_profiling()).read_text())
-    per_kind = _node_milliseconds(trace)
+    per_kind = _node_milliseconds(trace, prefills=rows)
     nodes = sum(per_kind.values())
     parts = {kind: ms / steps for kind, ms in per_kind.items()} | {"outside nodes": max(wall_ms - nodes / steps, 0.0)}
     return {
         "context": context,
+        "rows": rows,
+        "width": width,
         "steps": steps,
         "step_ms": wall_ms,
         "ms": parts,
@@ -50,13 +56,13 @@ def step_breakdown(spec: OrtModelSpec, context: int = 100, steps: int = 32) -> d
     }
 
 
-def _node_milliseconds(trace: list[dict]) -> dict[str, float]:
+def _node_milliseconds(trace: list[dict], prefills: int = 1) -> dict[str, float]:
     """Total milliseconds of the trace's node kernels per kind (matrix, attention, other nodes), over the
-    runs after the first (the prefill)."""
+    runs after the first ``prefills``."""
     runs = [event for event in trace if event.get("cat") == "Session" and event.get("name") == "model_run"]
-    if len(runs) < 2:
+    if len(runs) <= prefills:
         raise RuntimeError("the profile holds no decode run")
-    decode_start = runs[1]["ts"]  # the first run is the prefill
+    decode_start = runs[prefills]["ts"]
     totals: dict[str, float] = defaultdict(float)
     for event in trace:
         if event.get("cat") != "Node" or not event.get("name", "").endswith("_kernel_time"):
