@@ -106,7 +106,11 @@ def draft_length(text: str) -> int | str:
 @click.option("--repeats", default=2, help="Turns of every method at each load; the median tokens/s is reported.")
 @click.option("--max-tokens", default=64, help="Tokens each request generates.")
 @click.option("--threads", default=os.cpu_count() or 1, help="CPU threads of each server.")
-@click.option("--max-batch-size", default=8, help="Slots of each server.")
+@click.option(
+    "--max-batch-size",
+    type=int,
+    help="Slots of each server. [default: the most clients of --concurrency (llama-server is slower with more)]",
+)
 @click.option("--out", type=click.Path(path_type=Path), default=Path("results/bench_server.json"))
 @click.option("--plot", type=click.Path(path_type=Path), default=Path("docs/serving_load.png"))
 def main(
@@ -122,7 +126,7 @@ def main(
     repeats: int,
     max_tokens: int,
     threads: int,
-    max_batch_size: int,
+    max_batch_size: int | None,
     out: Path,
     plot: Path,
 ) -> None:
@@ -135,6 +139,7 @@ def main(
         raise click.UsageError("--engines with --peers needs --peer-gguf: the same weights as a GGUF file")
     loads = [("concurrency", c) for c in parse_list(concurrency, int)]
     loads += [("rate", r) for r in parse_list(rates, float)]
+    max_batch_size = max_batch_size or max([1] + [level for kind, level in loads if kind == "concurrency"])
     directory = engines or default_engines_shown(console)
     tokenizer = AutoTokenizer.from_pretrained(directory / "tokenizer")
     prompts = interleaved_prompt_texts(tokenizer)

@@ -71,7 +71,10 @@ def peers_section(data: dict) -> str:
             "processes, one per configuration with one slot each: plain, its n-gram speculative types at their "
             "defaults, and in float32 runs the shipped Q4_1 GGUF as its draft model. Prompts go in as token ids "
             "with its prompt cache off, and its times are the server's own timings of the prompt and the "
-            "generation, so HTTP costs it nothing.\n"
+            "generation, so HTTP costs it nothing. Each speculative run gets a fresh server (`ngram-mod` shares "
+            "one pool of n-grams across requests: a repeat would draft its own earlier answer). llama.cpp "
+            "ignores EOS by banning it, where ours emits it and goes on: past the end of an answer the two write "
+            "different text, and the 'same tokens' column says where that was.\n"
         )
     if limits.get("machine_read_GBps"):
         parts.append(

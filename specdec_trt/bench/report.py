@@ -283,8 +283,9 @@ The command that writes this page and its plots again from that run's JSON, meas
 Machine: {env["cpu"]}, {env["cores"]} cores, {env["threads"]} threads; {env["platform"]}; device {env["device"]}.
 Packages: {versions}. Revision {env["git_revision"]}. Run status: {data["status"]}.
 
-Every method runs in one process on the same prompts, methods alternating within each repeat, after a
-warm-up; figures are medians over prompts of each prompt's median over {config["repeats"]} repeats, with
+Every method runs on the same prompts (ours and the in-process peers in one process, llama.cpp in servers of its
+own), methods alternating within each repeat, after a warm-up; figures are medians over prompts of each prompt's
+median over {config["repeats"]} repeats, with
 {length}. Speedups are per prompt, side by side, then the median. "plain" is
 target-only decoding on the same engine: the baseline. tok/s counts every generated token over the whole
 request; "draft prefill" is the draft model's pass over the prompt, a fixed cost per request.
