@@ -3,8 +3,8 @@
 A run compares within one class of weights, our target's: float32 (transformers, llama.cpp on an F32 GGUF
 of the same tensors with the shipped 4-bit GGUF as its draft model, onnxruntime-genai's fp32 build) or 4-bit
 (llama.cpp on the 4-bit GGUF as shipped, onnxruntime-genai's int4 build; transformers has no 4-bit CPU
-path). A peer that is not installed, or has
-no weights of the class, is left out with a note saying why; one named with ``--peer`` is an error instead.
+path). A peer that is not installed, or has no weights of the class, is left out with a note saying why; one
+named with ``--peer`` is an error instead.
 """
 
 from __future__ import annotations
