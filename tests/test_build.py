@@ -52,8 +52,9 @@ def on_stage(stage):
     print(stage, flush=True)
     if stage == fail_at:
         raise RuntimeError(f"injected failure at {stage}")
-    if stage == pause_at:
-        time.sleep(120)
+    if stage == pause_at:  # short sleeps: a signal that lands on a worker thread is handled within 0.1 s
+        for _ in range(1200):
+            time.sleep(0.1)
 
 build(BuildRequest(**{**spec, "out": Path(spec["out"])}), on_stage)
 """
